@@ -1,0 +1,242 @@
+"""Sweeps: the sweep summary (on synthetic sweep dirs and on real Hydra multiruns of a toy app),
+and grid / Optuna sweeps of `bert-train` on a tiny model."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bert_pretrain import sweep_summary as ss
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# --------------------------------------------------------------------------- synthetic sweep dirs
+
+
+def make_member(sweep: Path, sub: str, overrides: list[str], metrics: list[dict] | None,
+                trial: dict | None = None, raw_tail: bytes = b"") -> Path:
+    """A member dir as Hydra and the trainer leave it: .hydra/overrides.yaml + metrics.jsonl."""
+    d = sweep / sub
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if metrics is not None:
+        with open(d / "metrics.jsonl", "wb") as f:
+            for m in metrics:
+                f.write(json.dumps(m).encode() + b"\n")
+            f.write(raw_tail)
+    if trial is not None:
+        (d / "trial.json").write_text(json.dumps(trial))
+    return d
+
+
+def train_log(final_eval: float, steps: int = 3) -> list[dict]:
+    recs = [{"step": s, "loss": 10.0 - s, "mlm_loss": 9.0 - s, "lr": 1e-4} for s in
+            range(1, steps + 1)]
+    recs.append({"step": steps, "eval_mlm_loss": final_eval, "eval_mlm_accuracy": 1 / final_eval})
+    return recs
+
+
+@pytest.fixture
+def grid_sweep(tmp_path: Path) -> Path:
+    """A 2x2 grid (lr x warmup) plus a failed member and one killed mid-write."""
+    sweep = tmp_path / "multirun" / "2026-01-01" / "12-00-00"
+    losses = {(0, "1e-4", "10"): 5.0, (1, "1e-4", "20"): 4.0, (2, "3e-4", "10"): 6.5,
+              (3, "3e-4", "20"): 3.25}
+    for (num, lr, wu), loss in losses.items():
+        make_member(sweep, str(num), [f"optim.lr={lr}", f"trainer.warmup_steps={wu}",
+                                      "trainer.max_steps=3"], train_log(loss),
+                    {"job_num": num, "status": "completed", "return_value": loss,
+                     "duration_s": 1.5})
+    make_member(sweep, "4", ["optim.lr=1e-2", "trainer.warmup_steps=10", "trainer.max_steps=3"],
+                [{"step": 1, "loss": 11.0}],
+                {"job_num": 4, "status": "failed", "error": "RuntimeError: loss is NaN"})
+    # No trial.json (SIGKILLed by SLURM) and a truncated last line: still listed, not a crash.
+    make_member(sweep, "5", ["optim.lr=3e-2", "trainer.warmup_steps=20", "trainer.max_steps=3"],
+                train_log(2.0)[:-1], raw_tail=b'{"step": 3, "eval_mlm_lo')
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    return sweep
+
+
+def test_summary_ranks_best_first_and_lists_failures(grid_sweep: Path) -> None:
+    out = io.StringIO()
+    s = ss.summarize(grid_sweep, out=out)
+    assert [t.job_num for t in s.trials] == [3, 1, 0, 2, 4, 5]
+    assert [t.status for t in s.trials] == ["completed"] * 4 + ["failed", "unknown"]
+    assert s.swept == ["optim.lr", "trainer.warmup_steps"]
+    assert s.fixed == {"trainer.max_steps": "3"}
+    # The killed member's last complete line is kept; its truncated eval line is not invented.
+    assert s.trials[5].metrics["step"] == 3 and "eval_mlm_loss" not in s.trials[5].metrics
+    text = out.getvalue()
+    lines = text.splitlines()
+    header = next(i for i, l in enumerate(lines) if l.startswith("rank"))
+    rows = [l.split() for l in lines[header + 2:header + 8]]
+    assert [r[1] for r in rows] == ["3", "1", "0", "2", "4", "5"]
+    assert rows[0][3] == "3.25" and rows[1][3] == "4"
+    assert "job 4 failed: RuntimeError: loss is NaN" in text
+    assert "fixed: trainer.max_steps=3" in text
+    assert s.table_path.read_text() == text.split("wrote ")[0]
+
+
+def test_summary_csv_has_every_trial_override_and_final_metric(grid_sweep: Path) -> None:
+    s = ss.summarize(grid_sweep, out=None)
+    with open(s.csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert [r["job"] for r in rows] == ["3", "1", "0", "2", "4", "5"]
+    best = rows[0]
+    assert float(best["eval_mlm_loss"]) == 3.25
+    assert float(best["objective"]) == 3.25
+    assert float(best["eval_mlm_accuracy"]) == pytest.approx(1 / 3.25)
+    assert (best["optim.lr"], best["trainer.warmup_steps"], best["trainer.max_steps"]) == (
+        "3e-4", "20", "3")
+    assert float(best["loss"]) == 7.0  # the last training loss, not the first
+    assert rows[4]["status"] == "failed" and rows[4]["eval_mlm_loss"] == ""
+    assert rows[4]["error"] == "RuntimeError: loss is NaN"
+    assert Path(best["dir"]) == grid_sweep / "3"
+
+
+def test_summary_plot_is_a_png_with_one_panel_per_swept_param(grid_sweep: Path) -> None:
+    import matplotlib.image
+
+    s = ss.summarize(grid_sweep, out=None)
+    assert s.plot_path.read_bytes()[:8] == PNG_MAGIC
+    h, w = matplotlib.image.imread(s.plot_path).shape[:2]
+    assert w > 1.8 * h  # two panels side by side
+
+
+def test_summary_maximize_and_objective(grid_sweep: Path) -> None:
+    s = ss.summarize(grid_sweep, metric="eval_mlm_accuracy", mode="max", out=None)
+    assert [t.job_num for t in s.trials][:4] == [3, 1, 0, 2]
+    s = ss.summarize(grid_sweep, metric="objective", out=None)
+    assert [t.job_num for t in s.trials] == [3, 1, 0, 2, 4, 5]
+
+
+def test_summary_nested_subdirs_categorical_and_nan(tmp_path: Path) -> None:
+    """Custom hydra.sweep.subdir (nested, named by overrides), a categorical swept value and a
+    diverged (NaN) trial, which ranks last instead of first."""
+    sweep = tmp_path / "sweep"
+    make_member(sweep, "optim=adamw/seed=1", ["optim=adamw", "seed=1"], train_log(4.0))
+    make_member(sweep, "optim=lamb/seed=1", ["optim=lamb", "seed=1"], train_log(3.0))
+    make_member(sweep, "optim=lamb/seed=2", ["optim=lamb", "seed=2"], train_log(float("nan")))
+    # A member's own sub-dirs (checkpoints with their own .hydra copies) are not members.
+    make_member(sweep / "optim=lamb" / "seed=1", "checkpoints/step-1", ["x=1"], None)
+    s = ss.summarize(sweep, out=None)
+    assert [t.overrides for t in s.trials] == [
+        {"optim": "lamb", "seed": "1"}, {"optim": "adamw", "seed": "1"},
+        {"optim": "lamb", "seed": "2"}]
+    assert math.isnan(s.trials[2].metrics["eval_mlm_loss"])
+    assert s.swept == ["optim", "seed"]
+    assert s.plot_path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_summary_bad_input_one_line_errors(tmp_path: Path, grid_sweep: Path, capsys) -> None:
+    with pytest.raises(ss.SweepSummaryError, match="does not exist"):
+        ss.summarize(tmp_path / "nope", out=None)
+    with pytest.raises(ss.SweepSummaryError, match="no sweep members"):
+        ss.summarize(grid_sweep / "3", out=None)  # a member, not the sweep
+    with pytest.raises(ss.SweepSummaryError, match="pick one of .*eval_mlm_loss"):
+        ss.summarize(grid_sweep, metric="eval_mlm_los", out=None)
+    assert ss.main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bert-sweep-summary: error: sweep dir") and err.count("\n") == 1
+
+
+def test_summary_command_line(grid_sweep: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.sweep_summary", str(grid_sweep),
+                        "--metric", "eval_mlm_accuracy"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ranked by eval_mlm_accuracy (max)" in r.stdout
+    assert (grid_sweep / "summary.csv").is_file() and (grid_sweep / "summary.png").is_file()
+
+
+# --------------------------------------------------------------------------- real Hydra multiruns
+# A toy task function with the callback wired exactly as conf/train.yaml wires it: exercises
+# Hydra's basic sweeper and the Optuna sweeper without training anything.
+
+TOY_APP = '''
+import json, math
+from pathlib import Path
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="cfg")
+def main(cfg):
+    if cfg.fail_at is not None and math.isclose(cfg.lr, cfg.fail_at):
+        raise RuntimeError(f"diverged at lr={cfg.lr}\\nsecond line of the message")
+    loss = (math.log10(cfg.lr) + 3.3) ** 2 + 0.1 * cfg.layers
+    with open(Path(HydraConfig.get().runtime.output_dir) / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"step": 1, "loss": 9.0}) + "\\n")
+        f.write(json.dumps({"step": 2, "eval_mlm_loss": loss}) + "\\n")
+    return loss
+
+if __name__ == "__main__":
+    main()
+'''
+
+TOY_CONF = '''
+lr: 1e-3
+layers: 2
+fail_at: null
+hydra:
+  callbacks:
+    sweep_summary:
+      _target_: bert_pretrain.sweep_summary.SweepSummaryCallback
+'''
+
+
+def run_toy(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    (tmp_path / "conf").mkdir(exist_ok=True)
+    (tmp_path / "app.py").write_text(TOY_APP)
+    (tmp_path / "conf" / "cfg.yaml").write_text(TOY_CONF)
+    sweep = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "app.py", "-m", f"hydra.sweep.dir={sweep}", *args],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return r, sweep
+
+
+def test_callback_grid_sweep_with_failed_member(tmp_path: Path) -> None:
+    """Hydra's basic sweeper raises when a member fails (before on_multirun_end): the members still
+    run, and the summary is still written, listing the failure with its first error line."""
+    r, sweep = run_toy(tmp_path, "lr=1e-4,1e-3,1e-2", "layers=1,2", "fail_at=1e-2")
+    assert r.returncode != 0  # Hydra reports the failed member
+    assert "ranked by eval_mlm_loss (min)" in r.stdout, r.stderr
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert [(r["lr"], r["layers"]) for r in rows[:2]] == [
+        ("0.001", "1"), ("0.001", "2")]  # Hydra writes 1e-3 as 0.001
+    assert [r["status"] for r in rows] == ["completed"] * 4 + ["failed"] * 2
+    assert rows[-1]["error"] == "RuntimeError: diverged at lr=0.01"
+    info = json.loads((sweep / "0" / "trial.json").read_text())
+    assert info["status"] == "completed" and info["overrides"] == ["lr=0.0001", "layers=1", "fail_at=0.01"]
+    assert info["return_value"] == pytest.approx((-4 + 3.3) ** 2 + 0.1)
+
+
+def test_callback_optuna_sweep(tmp_path: Path) -> None:
+    r, sweep = run_toy(tmp_path, "hydra/sweeper=optuna", "hydra.sweeper.n_trials=5",
+                       "hydra.sweeper.n_jobs=1", "hydra.sweeper.sampler.seed=0",
+                       "hydra.sweeper.max_failure_rate=1.0",
+                       "lr=choice(1e-4,1e-3,1e-2)", "layers=range(1,3)", "fail_at=1e-2")
+    assert r.returncode == 0, r.stderr
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 5
+    scored = [float(r["eval_mlm_loss"]) for r in rows if r["status"] == "completed"]
+    assert scored == sorted(scored)
+    assert all(r["eval_mlm_loss"] == "" for r in rows if r["status"] == "failed")
+    # The summary's best trial is the one the Optuna study reports.
+    from omegaconf import OmegaConf
+
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert float(rows[0]["objective"]) == pytest.approx(best.best_value)
+    assert float(rows[0]["lr"]) == pytest.approx(best.best_params.lr)
