@@ -1,0 +1,132 @@
+"""`BertModel` (embeddings + encoder + pooler) and `BertForPreTraining` (+ MLM and NSP heads and
+their losses), state-dict compatible with transformers' classes of the same names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import BertConfig, ModelImpl
+from .encoder import BertEmbeddings, BertEncoder, BertPooler
+from .heads import BertLMPredictionHead, BertPreTrainingHeads
+from .layout import TokenLayout
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PreTrainingOutput:
+    loss: torch.Tensor | None = None
+    """mlm_loss + nsp_loss (those that were given labels); None without labels."""
+    mlm_loss: torch.Tensor | None = None
+    """Mean cross-entropy over the labelled positions (labels != -100)."""
+    nsp_loss: torch.Tensor | None = None
+    prediction_logits: torch.Tensor | None = None
+    """[B, L, V]; with `impl.sparse_prediction` and labels: [M, V] for the M labelled
+    positions, in row-major (batch, position) order, aligned with `mlm_labels`."""
+    mlm_labels: torch.Tensor | None = None
+    """[M] labels of the sparse logits rows; None when the logits are dense."""
+    seq_relationship_logits: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    """Embedding output + each layer's output, [B, L, H] each (zeros at padding if unpadded)."""
+    attentions: tuple[torch.Tensor, ...] | None = None
+    """Per layer [B, heads, L, L] attention probabilities."""
+
+
+def init_bert_weights(module: nn.Module, std: float) -> None:
+    """BERT's initialisation (truncation aside, as transformers): N(0, std) weights, zero
+    biases, unit LayerNorms, zero row for the padding embedding."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, BertLMPredictionHead):
+        nn.init.zeros_(module.bias)
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: BertConfig, impl: ModelImpl | None = None):
+        super().__init__()
+        self.config = config
+        self.impl = impl or ModelImpl()
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config, self.impl)
+        self.pooler = BertPooler(config)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None,
+                output_attentions=False, output_hidden_states=False, unpad=None):
+        """Returns (sequence_output, pooled_output, layout, hidden_states, attentions);
+        sequence_output is [N, H] when `layout.unpadded`, else [B, L, H]."""
+        b, n = input_ids.shape
+        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad if unpad is None else unpad)
+        x = self.embeddings(input_ids, token_type_ids, layout)
+        x, hidden_states, attentions = self.encoder(x, layout, output_attentions,
+                                                    output_hidden_states)
+        pooled = self.pooler(x, layout)
+        if hidden_states is not None:
+            hidden_states = tuple(layout.to_grid(h) for h in hidden_states)
+        if attentions is not None:
+            attentions = tuple(attentions)
+        return x, pooled, layout, hidden_states, attentions
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, config: BertConfig, impl: ModelImpl | None = None):
+        super().__init__()
+        self.config = config
+        self.impl = impl or ModelImpl()
+        self.bert = BertModel(config, self.impl)
+        self.cls = BertPreTrainingHeads(config, self.bert.embeddings.word_embeddings)
+        for module in self.modules():
+            # The decoder's weight is the word-embedding matrix, initialised (with its zero
+            # padding row) as an embedding; initialising it again as a Linear would undo that.
+            if module is not self.cls.predictions.decoder:
+                init_bert_weights(module, config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                next_sentence_label: torch.Tensor | None = None,
+                output_attentions: bool = False,
+                output_hidden_states: bool = False) -> PreTrainingOutput:
+        sparse = self.impl.sparse_prediction and labels is not None
+        # Dense logits are [B, L, V] by contract, so without sparse prediction the encoder output
+        # must be on the padded grid; unpadding then still saves the encoder's work.
+        seq, pooled, layout, hidden_states, attentions = self.bert(
+            input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
+        heads = self.cls
+        mlm_labels = None
+        if sparse:
+            # Only ~15% of positions carry a label: run the transform and the V-way projection on
+            # those rows alone. (Labels on padding positions are not supported when unpadded.)
+            flat_labels = layout.select(labels)
+            rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+            mlm_labels = flat_labels.index_select(0, rows)
+            logits = heads.predictions(seq.reshape(-1, seq.shape[-1]).index_select(0, rows))
+        else:
+            logits = heads.predictions(layout.to_grid(seq))
+        nsp_logits = heads.seq_relationship(pooled)
+
+        mlm_loss = nsp_loss = loss = None
+        if labels is not None:
+            if sparse:
+                mlm_loss = F.cross_entropy(logits.float(), mlm_labels)
+            else:
+                mlm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                           labels.reshape(-1), ignore_index=IGNORE_INDEX)
+            loss = mlm_loss
+        if next_sentence_label is not None:
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1))
+            loss = nsp_loss if loss is None else loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
+                                 hidden_states, attentions)

@@ -1,0 +1,185 @@
+"""Model configuration: `BertConfig` (knobs that change results) and `ModelImpl` (knobs that only
+change speed).
+
+`BertConfig` uses the field names of `transformers.BertConfig`, so exporting is a copy and the
+presets under `conf/model/` read like Hugging Face `config.json` files.  `ModelImpl` (`conf/impl/`)
+never changes what the model computes beyond float rounding; the tests check each switch against
+the plain path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "swish", "mish")
+POSITION_EMBEDDING_TYPES = ("absolute", "relative_key", "relative_key_query")
+ATTENTION_IMPLS = ("sdpa", "eager")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _from_mapping(cls, values: Mapping[str, Any], what: str):
+    """Build a dataclass from a plain mapping, naming unknown keys instead of a TypeError."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown {what} key(s) {unknown}; valid keys are: {', '.join(sorted(names))}"
+        )
+    return cls(**dict(values))
+
+
+@dataclass
+class BertConfig:
+    """Architecture of a BERT encoder with pretraining heads (field names = transformers')."""
+
+    vocab_size: int | None = 30522
+    """WordPiece vocabulary size. The presets leave it null: the trainer fills it in from the
+    prepared data's manifest.json, so the embedding matrix always matches the tokenizer."""
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    """gelu (exact erf), gelu_new (tanh approximation), relu, silu / swish, mish."""
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    initializer_range: float = 0.02
+    position_embedding_type: str = "absolute"
+    """absolute (learned table added to the embeddings, BERT), relative_key (Shaw et al. 2018) or
+    relative_key_query (Huang et al. 2020): a learned table of clipped distances per layer that
+    biases the attention scores, as transformers 4.x implemented it."""
+    pre_layer_norm: bool = False
+    """False: post-LN, as BERT. True: LayerNorm before attention and FFN, plus a final LayerNorm
+    (`bert.encoder.LayerNorm`); more stable at high learning rates, no transformers equivalent."""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.vocab_size is not None,
+            "model.vocab_size is null: set it, or let the trainer take it from the prepared "
+            "data's manifest.json",
+        )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"model.{name} must be a positive integer, got {value!r}",
+            )
+        _check(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size ({self.hidden_size}) must be divisible by "
+            f"model.num_attention_heads ({self.num_attention_heads}); pick a head count that "
+            f"divides it (e.g. hidden_size // 64)",
+        )
+        _check(
+            self.hidden_act in ACTIVATIONS,
+            f"model.hidden_act {self.hidden_act!r} is not supported; use one of "
+            f"{', '.join(ACTIVATIONS)}",
+        )
+        _check(
+            self.position_embedding_type in POSITION_EMBEDDING_TYPES,
+            f"model.position_embedding_type {self.position_embedding_type!r} is not supported; "
+            f"use one of {', '.join(POSITION_EMBEDDING_TYPES)}",
+        )
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            value = getattr(self, name)
+            _check(
+                isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+                f"model.{name} must be in [0, 1), got {value!r}",
+            )
+        _check(
+            isinstance(self.layer_norm_eps, (int, float)) and self.layer_norm_eps > 0,
+            f"model.layer_norm_eps must be > 0, got {self.layer_norm_eps!r}",
+        )
+        _check(
+            isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0,
+            f"model.initializer_range must be > 0, got {self.initializer_range!r}",
+        )
+        _check(
+            isinstance(self.pad_token_id, int) and 0 <= self.pad_token_id < self.vocab_size,
+            f"model.pad_token_id ({self.pad_token_id!r}) must be a token id in "
+            f"[0, vocab_size={self.vocab_size})",
+        )
+        _check(
+            isinstance(self.pre_layer_norm, bool),
+            f"model.pre_layer_norm must be true or false, got {self.pre_layer_norm!r}",
+        )
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], **overrides: Any) -> BertConfig:
+        """From a plain mapping (e.g. `OmegaConf.to_container(cfg.model)`); unknown keys are an
+        error that lists the valid ones. `overrides` win, e.g. `vocab_size=manifest[...]`."""
+        return _from_mapping(cls, {**values, **overrides}, "model")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A dict that `transformers.BertConfig(**d)` accepts, for `config.json` on export.
+
+        relative_key / relative_key_query are kept in `position_embedding_type`, which
+        transformers 4.x reads; transformers 5 dropped relative positions from BERT and would
+        silently build an absolute-position model, so such checkpoints need transformers < 5.
+        """
+        _check(
+            not self.pre_layer_norm,
+            "model.pre_layer_norm=true has no transformers BertConfig equivalent; only post-LN "
+            "models can be exported to Hugging Face",
+        )
+        return {
+            **self.to_dict(),
+            "architectures": ["BertForPreTraining"],
+            "model_type": "bert",
+            "tie_word_embeddings": True,
+        }
+
+
+@dataclass
+class ModelImpl:
+    """Speed-only switches (`conf/impl/`): none of them changes results beyond float rounding."""
+
+    sparse_prediction: bool = True
+    """With labels: run the MLM transform and the vocabulary projection only on labelled
+    positions (~15%). The full-vocab projection dominates small models' steps."""
+    unpad: bool = True
+    """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
+    attention product itself."""
+    fused_qkv: bool = True
+    """One [3H, H] projection for query/key/value instead of three (same parameters)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward: less memory, ~1/3 more compute."""
+    attention: str = "sdpa"
+    """sdpa: torch.nn.functional.scaled_dot_product_attention (fused kernels on GPU); eager: the
+    explicit softmax(QK^T)V path (always used when attention maps are requested)."""
+
+    def __post_init__(self) -> None:
+        for name in ("sparse_prediction", "unpad", "fused_qkv", "gradient_checkpointing"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
+        _check(
+            self.attention in ATTENTION_IMPLS,
+            f"impl.attention {self.attention!r} is not supported; use one of "
+            f"{', '.join(ATTENTION_IMPLS)}",
+        )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> ModelImpl:
+        return _from_mapping(cls, values or {}, "impl")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,169 @@
+"""Embeddings, transformer layers, encoder and pooler, with transformers' module names so the
+state dict is a drop-in for `transformers.BertModel`."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import BertSelfAttention
+from .config import BertConfig, ModelImpl
+from .layout import TokenLayout
+
+
+def activation(name: str):
+    """Activation by transformers' name (gelu is the exact erf form, gelu_new the tanh one)."""
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_new":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "mish":
+        return F.mish
+    raise ValueError(f"unknown activation {name!r}")  # BertConfig validates first
+
+
+class BertEmbeddings(nn.Module):
+    """word + position (absolute only) + token type, then LayerNorm and dropout."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                            padding_idx=config.pad_token_id)
+        # Kept for relative position types too (unused there), as transformers 4.x did, so that
+        # the state dict has the same keys whatever the position type.
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.absolute = config.position_embedding_type == "absolute"
+        self.max_position_embeddings = config.max_position_embeddings
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,
+                layout: TokenLayout) -> torch.Tensor:
+        b, n = layout.batch_size, layout.seq_len
+        if n > self.max_position_embeddings:
+            raise ValueError(f"sequence length {n} exceeds max_position_embeddings "
+                             f"{self.max_position_embeddings}; shorten the inputs")
+        ids = layout.select(input_ids)
+        x = self.word_embeddings(ids)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(layout.select(token_type_ids))
+        x = x if layout.unpadded else x.view(b, n, -1)
+        if self.absolute:
+            if layout.unpadded:
+                x = x + self.position_embeddings(layout.indices % n)
+            else:
+                x = x + self.position_embeddings.weight[:n]
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig, impl: ModelImpl):
+        super().__init__()
+        self.self = BertSelfAttention(config, impl)
+        self.output = BertSelfOutput(config)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+
+class BertLayer(nn.Module):
+    """Attention + FFN. Post-LN (BERT): x = LN(x + f(x)). Pre-LN: x = x + f(LN(x)), reusing the
+    same two LayerNorms (attention.output.LayerNorm before attention, output.LayerNorm before
+    the FFN)."""
+
+    def __init__(self, config: BertConfig, impl: ModelImpl):
+        super().__init__()
+        self.attention = BertAttention(config, impl)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+        self.pre_layer_norm = config.pre_layer_norm
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False):
+        attn_out, ffn_out = self.attention.output, self.output
+        if self.pre_layer_norm:
+            context, probs = self.attention.self(attn_out.LayerNorm(x), layout, output_attentions)
+            x = x + attn_out.dropout(attn_out.dense(context))
+            h = self.intermediate(ffn_out.LayerNorm(x))
+            x = x + ffn_out.dropout(ffn_out.dense(h))
+            return x, probs
+        context, probs = self.attention.self(x, layout, output_attentions)
+        x = attn_out.LayerNorm(attn_out.dropout(attn_out.dense(context)) + x)
+        h = self.intermediate(x)
+        x = ffn_out.LayerNorm(ffn_out.dropout(ffn_out.dense(h)) + x)
+        return x, probs
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig, impl: ModelImpl):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, impl)
+                                   for _ in range(config.num_hidden_layers))
+        if config.pre_layer_norm:
+            # Pre-LN leaves the residual stream un-normalised; normalise once at the end.
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = impl.gradient_checkpointing
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False,
+                output_hidden_states: bool = False):
+        hidden_states = [x] if output_hidden_states else None
+        attentions = [] if output_attentions else None
+        for layer in self.layer:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # Non-reentrant checkpointing restores the RNG state, so dropout masks in the
+                # recomputation equal the first pass and gradients equal the plain path.
+                x, probs = checkpoint(layer, x, layout, output_attentions, use_reentrant=False)
+            else:
+                x, probs = layer(x, layout, output_attentions)
+            if output_hidden_states:
+                hidden_states.append(x)
+            if output_attentions:
+                attentions.append(probs)
+        if hasattr(self, "LayerNorm"):
+            x = self.LayerNorm(x)
+            if output_hidden_states:
+                hidden_states[-1] = x
+        return x, hidden_states, attentions
+
+
+class BertPooler(nn.Module):
+    """tanh(W h_[CLS] + b): the sentence vector the NSP head reads."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        first = x.index_select(0, layout.cls_rows) if layout.unpadded else x[:, 0]
+        return torch.tanh(self.dense(first))
