@@ -1,0 +1,104 @@
+"""The typed schema of `conf/train.yaml`, assembled from the schemas that sit beside the code they
+configure (DataConfig in data.py, OptimConfig/SchedulerConfig in optim.py, TrainerConfig in
+trainer.py, LoggerConfig in metrics.py; the model's BertConfig/ModelImpl are checked by the model
+package).  Registered in Hydra's ConfigStore as `train_schema`, so a misspelt key in a config file
+or on the command line fails at composition, and `settings()` turns the composed tree into
+validated dataclasses with one-line errors for bad values."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from .data import DataConfig
+from .errors import ConfigError
+from .metrics import LoggerConfig
+from .optim import OptimConfig, SchedulerConfig
+from .trainer import TrainerConfig
+
+
+@dataclass
+class TrainConfig:
+    model: Any = MISSING
+    """BertConfig fields (`conf/model/`); vocab_size null = from the data's manifest."""
+    impl: Any = field(default_factory=dict)
+    """ModelImpl speed switches (`conf/impl/`)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    name: str = "default"
+    """Run name: the default run_dir, the wandb run name."""
+    seed: int = 1234
+    """Seeds model init, data order, dynamic masks and dropout."""
+    run_dir: str = "runs/${name}"
+    """Checkpoints, metrics.jsonl, logs. Not timestamped, so `resume=auto` finds the run again.
+    Under multirun each member uses its Hydra sweep subdirectory instead."""
+    resume: str = "never"
+    """never: start fresh (refused if run_dir already has checkpoints); auto: continue from the
+    newest valid checkpoint in run_dir if any; or a path to a step-XXXXXXXX directory."""
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+@dataclass
+class Settings:
+    """The validated run configuration handed to the trainer."""
+
+    model: dict
+    impl: dict
+    data: DataConfig
+    optim: OptimConfig
+    scheduler: SchedulerConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    name: str
+    seed: int
+    run_dir: str
+    resume: str
+
+
+def _typed(cfg: DictConfig, key: str, cls):
+    node = cfg[key]
+    try:
+        if not OmegaConf.is_config(node):
+            raise ValueError(f"{key} must be a group of settings")
+        merged = OmegaConf.merge(OmegaConf.structured(cls), node)
+        return OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(f"{exc.full_key or key} is not set; pass {exc.full_key or key}=...") \
+            from None
+    except OmegaConfBaseException as exc:
+        first = str(exc).splitlines()[0]
+        raise ConfigError(f"{key}: {first}") from None
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def settings(cfg: DictConfig) -> Settings:
+    """Validate the composed config; every problem becomes a one-line ConfigError."""
+    for key in ("model", "data", "optim", "scheduler", "trainer", "logger"):
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"config group {key!r} is missing; choose one, e.g. {key}=<option>")
+    try:
+        model = OmegaConf.to_container(cfg.model, resolve=True)
+        impl = OmegaConf.to_container(cfg.impl, resolve=True) if cfg.get("impl") else {}
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    if cfg.resume not in ("never", "auto") and not str(cfg.resume):
+        raise ConfigError("resume must be never, auto or a checkpoint directory")
+    return Settings(
+        model=model, impl=impl,
+        data=_typed(cfg, "data", DataConfig),
+        optim=_typed(cfg, "optim", OptimConfig),
+        scheduler=_typed(cfg, "scheduler", SchedulerConfig),
+        trainer=_typed(cfg, "trainer", TrainerConfig),
+        logger=_typed(cfg, "logger", LoggerConfig),
+        name=str(cfg.name), seed=int(cfg.seed), run_dir=str(cfg.run_dir),
+        resume=str(cfg.resume),
+    )

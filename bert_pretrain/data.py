@@ -1,0 +1,403 @@
+"""Reading prepared data (docs/prepared-format.md): manifest checks, a seeded global order, per-rank
+slices of each global batch, collation and optional dynamic masking.
+
+Design, and why:
+- The position in the data is one integer, the number of GLOBAL samples consumed.  Global sample
+  k is instance `perm_e[k % N]` of epoch `e = k // N`, where `perm_e` is a permutation seeded by
+  (seed, e).  Resuming is O(1) (no replay of skipped batches) and works with any world size.
+- A global batch of G samples is cut into W contiguous rank slices and each slice into
+  micro-batches of m; micro-batch j of rank r is micro-batch (r * G/W/m + j) of the global batch.
+  So W processes see exactly the micro-batches one process sees with W-times the accumulation,
+  and no rank duplicates another.
+- Dynamic masking draws its random numbers from a counter-based hash of (seed, epoch, instance
+  index, position): no RNG state to save, and identical across world sizes and resumes.
+"""
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .errors import DataError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+SHARD_FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions", "masked_labels",
+               "next_sentence_labels")
+IGNORE_INDEX = -100  # label of positions that are not predicted (torch cross-entropy default)
+
+
+@dataclass
+class DataConfig:
+    """`conf/data/`: which prepared directory to train on and how to mask it."""
+
+    dir: str = "???"
+    """Output directory of `bert-prep` (it must hold a complete manifest.json)."""
+    masking: str = "static"
+    """static: the masks written by bert-prep (as Google BERT); dynamic: re-mask every epoch at
+    load time with the same 80/10/10 rules (as RoBERTa), seeded by (seed, epoch, instance)."""
+    masked_lm_prob: Optional[float] = None
+    """Dynamic masking only: fraction of tokens to predict; null = the value bert-prep used."""
+    train_split: str = "train"
+    eval_split: str = "validation"
+    pad_to_multiple_of: int = 8
+    """Each micro-batch is cut to its longest sequence, rounded up to this (tensor-core friendly);
+    padding never changes results beyond float rounding."""
+
+    def __post_init__(self) -> None:
+        if self.masking not in ("static", "dynamic"):
+            raise ValueError(f"data.masking must be static or dynamic, got {self.masking!r}")
+        if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"data.masked_lm_prob must be in (0, 1), got {self.masked_lm_prob}")
+        if self.pad_to_multiple_of < 1:
+            raise ValueError("data.pad_to_multiple_of must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# On-disk data
+
+
+class Split:
+    """One split (train / validation): its shards memory-mapped, addressed by a global index."""
+
+    def __init__(self, root: str, name: str, info: dict):
+        self.name = name
+        self.shards = []
+        for shard in info["shards"]:
+            path = os.path.join(root, shard["path"])
+            arrays = {}
+            for key in SHARD_FILES:
+                file = os.path.join(path, key + ".npy")
+                if not os.path.isfile(file):
+                    raise DataError(
+                        f"{file} is missing: the prepared data in {root} is incomplete; "
+                        f"run bert-prep again into a fresh output_dir"
+                    )
+                try:
+                    arrays[key] = np.load(file, mmap_mode="r")
+                except (ValueError, OSError) as exc:
+                    raise DataError(f"cannot read {file} ({exc}); re-run bert-prep") from None
+            n = int(shard["num_instances"])
+            if any(a.shape[0] != n for a in arrays.values()):
+                raise DataError(
+                    f"{path}: arrays do not hold num_instances={n} rows as manifest.json says; "
+                    f"the data is corrupt, re-run bert-prep"
+                )
+            self.shards.append(arrays)
+        self.offsets = np.cumsum([0] + [s["input_ids"].shape[0] for s in self.shards])
+        self.num_instances = int(self.offsets[-1])
+        if self.num_instances != int(info["num_instances"]):
+            raise DataError(f"{root}: split {name!r} shard sizes do not add up to num_instances")
+
+    def gather(self, indices: np.ndarray) -> dict:
+        """Rows `indices` (global within the split) of every array, in the order given."""
+        shard_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        out = {}
+        for s in np.unique(shard_of):
+            sel = np.nonzero(shard_of == s)[0]
+            local = indices[sel] - self.offsets[s]
+            # Sorted row reads are sequential on disk; the result is put back in batch order.
+            order = np.argsort(local, kind="stable")
+            for key, arr in self.shards[s].items():
+                rows = np.asarray(arr[local[order]])
+                if key not in out:
+                    out[key] = np.empty((len(indices),) + rows.shape[1:], dtype=rows.dtype)
+                out[key][sel[order]] = rows
+        return out
+
+
+class PreparedData:
+    """A `bert-prep` output directory, validated against the manifest contract."""
+
+    def __init__(self, root: str):
+        self.root = root
+        manifest_path = os.path.join(root, MANIFEST)
+        if not os.path.isdir(root):
+            raise DataError(f"data.dir {root!r} does not exist; run bert-prep with "
+                            f"output_dir={root} first, or point data.dir at its output")
+        if not os.path.isfile(manifest_path):
+            raise DataError(f"{root} has no {MANIFEST}: it is not bert-prep output or bert-prep "
+                            f"did not finish; run bert-prep again")
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                self.manifest = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read {manifest_path} ({exc}); run bert-prep again") from None
+        m = self.manifest
+        if m.get("complete") is not True:
+            raise DataError(f"{manifest_path} says the data is incomplete (complete != true); "
+                            f"let bert-prep finish or run it again")
+        if m.get("format_version") != FORMAT_VERSION:
+            raise DataError(f"{manifest_path} has format_version {m.get('format_version')!r}, this "
+                            f"trainer reads {FORMAT_VERSION}; re-run bert-prep with this version")
+        try:
+            self.max_seq_length = int(m["max_seq_length"])
+            self.max_predictions = int(m["max_predictions_per_seq"])
+            self.vocab_size = int(m["vocab_size"])
+            self.special = {k: int(v) for k, v in m["special_token_ids"].items()}
+            self.tokenizer_dir = os.path.join(root, m["tokenizer"]["path"])
+            self.tokenizer_sha256 = m["tokenizer"].get("sha256")
+            self.masking = m.get("masking", {})
+            splits = m["splits"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"{manifest_path} lacks a required key ({exc}); re-run bert-prep") from None
+        self._splits_info = splits
+        self._split_cache: dict = {}
+
+    def split(self, name: str) -> Split:
+        if name not in self._splits_info:
+            raise DataError(f"split {name!r} is not in {self.root}/{MANIFEST} (it has "
+                            f"{sorted(self._splits_info)}); set data.train_split/eval_split")
+        if name not in self._split_cache:
+            split = Split(self.root, name, self._splits_info[name])
+            if split.num_instances == 0:
+                raise DataError(f"split {name!r} of {self.root} is empty; prepare more text")
+            self._split_cache[name] = split
+        return self._split_cache[name]
+
+    def continuation_ids(self) -> np.ndarray:
+        """Boolean [vocab] table: True for WordPiece continuation pieces ('##...')."""
+        vocab_file = os.path.join(self.tokenizer_dir, "vocab.txt")
+        table = np.zeros(self.vocab_size, dtype=bool)
+        with open(vocab_file, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i < self.vocab_size and line.startswith("##"):
+                    table[i] = True
+        return table
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based randomness (splitmix64): a pure function of its inputs, vectorised in numpy.
+
+_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
+    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
+    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_uniform(seed: int, stream: int, epoch: np.ndarray, index: np.ndarray,
+                 position: np.ndarray) -> np.ndarray:
+    """Uniform floats in [0, 1) from (seed, stream, epoch, index, position), broadcast."""
+    with np.errstate(over="ignore"):
+        h = _mix(np.full((), (seed << 8) ^ stream, dtype=np.uint64))
+        h = _mix(h ^ np.asarray(epoch, dtype=np.uint64))
+        h = _mix(h ^ np.asarray(index, dtype=np.uint64))
+        h = _mix(h ^ np.asarray(position, dtype=np.uint64))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(n).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# Masking and collation
+
+
+class Masker:
+    """Dynamic MLM masking with BERT's rules, vectorised over a batch.
+
+    Per sequence: predict round(length * prob) positions (at least 1, at most the prep's
+    max_predictions_per_seq) among non-special tokens; of those, 80% become [MASK], 10% a random
+    token, 10% stay.  With whole-word masking all pieces of a word are chosen together (words in
+    random order while the budget allows; unlike Google's loop it does not try smaller words after
+    the first that overflows).
+    """
+
+    def __init__(self, data: PreparedData, seed: int, masked_lm_prob: Optional[float]):
+        self.seed = seed
+        self.prob = masked_lm_prob or float(data.masking.get("masked_lm_prob", 0.15))
+        self.max_predictions = data.max_predictions
+        self.special = data.special
+        self.vocab_size = data.vocab_size
+        self.whole_word = bool(data.masking.get("whole_word_mask", False))
+        self.continuation = data.continuation_ids() if self.whole_word else None
+        special_ids = sorted(set(self.special.values()))
+        # Random replacements are drawn from the non-special ids (a [PAD] or [CLS] inside a
+        # sentence is not a plausible corruption).
+        self.random_pool = np.setdiff1d(np.arange(self.vocab_size), special_ids)
+
+    def __call__(self, ids: np.ndarray, lengths: np.ndarray, epoch: np.ndarray,
+                 index: np.ndarray):
+        """Returns (masked ids [B, L], labels [B, L] with IGNORE_INDEX where not predicted)."""
+        b, seq = ids.shape
+        pos = np.arange(seq)[None, :]
+        e, i = epoch[:, None], index[:, None]
+        candidate = (pos < lengths[:, None]) & (ids != self.special["cls"]) \
+            & (ids != self.special["sep"]) & (ids != self.special["pad"])
+        num_predict = np.minimum(
+            self.max_predictions,
+            np.maximum(1, np.floor(lengths * self.prob + 0.5).astype(np.int64)),
+        )
+        if self.whole_word:
+            chosen = self._choose_words(ids, candidate, num_predict, e, i, pos)
+        else:
+            score = hash_uniform(self.seed, 1, e, i, pos)
+            score = np.where(candidate, score, np.inf)
+            rank = np.empty_like(pos, shape=(b, seq))
+            np.put_along_axis(rank, np.argsort(score, axis=1, kind="stable"),
+                              np.broadcast_to(pos, (b, seq)), axis=1)
+            chosen = candidate & (rank < num_predict[:, None])
+        action = hash_uniform(self.seed, 2, e, i, pos)
+        pick = hash_uniform(self.seed, 3, e, i, pos)
+        replacement = self.random_pool[(pick * len(self.random_pool)).astype(np.int64)]
+        out = ids.copy()
+        out[chosen & (action < 0.8)] = self.special["mask"]
+        rand = chosen & (action >= 0.8) & (action < 0.9)
+        out[rand] = replacement[rand]
+        labels = np.where(chosen, ids, IGNORE_INDEX)
+        return out, labels
+
+    def _choose_words(self, ids, candidate, num_predict, e, i, pos):
+        b, seq = ids.shape
+        is_start = ~self.continuation[ids] | ~candidate
+        start = np.maximum.accumulate(np.where(is_start, pos, 0), axis=1)
+        score = np.where(candidate, hash_uniform(self.seed, 1, e, i, start), np.inf)
+        # Sort by (word score, position): each word's pieces are contiguous in the order.
+        order = np.lexsort((np.broadcast_to(pos, (b, seq)), score), axis=1)
+        sorted_cand = np.take_along_axis(candidate, order, axis=1)
+        cum = np.cumsum(sorted_cand, axis=1)
+        word_key = np.take_along_axis(start, order, axis=1)
+        # Tokens left in the word after this one (pieces are contiguous positions).
+        flat_word = (np.arange(b)[:, None] * seq + start).ravel()
+        word_len = np.bincount(flat_word, weights=candidate.ravel(), minlength=b * seq)
+        sorted_len = word_len[(np.arange(b)[:, None] * seq + word_key)]
+        within = np.take_along_axis(pos - start, order, axis=1)
+        end_cum = cum + (sorted_len - within - 1)
+        take_sorted = sorted_cand & (end_cum <= num_predict[:, None])
+        chosen = np.zeros_like(candidate)
+        np.put_along_axis(chosen, order, take_sorted, axis=1)
+        return chosen
+
+
+def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:
+    """numpy rows from `Split.gather` -> model inputs (torch, long), cut to the longest row.
+
+    `masked`: optional (input_ids, labels) from dynamic masking; otherwise the static masks.
+    """
+    lengths = rows["lengths"].astype(np.int64)
+    seq = int(lengths.max())
+    seq = min(rows["input_ids"].shape[1], -(-seq // pad_to_multiple_of) * pad_to_multiple_of)
+    pos = np.arange(seq)[None, :]
+    if masked is None:
+        ids = rows["input_ids"][:, :seq].astype(np.int64)
+        labels = np.full(ids.shape, IGNORE_INDEX, dtype=np.int64)
+        mpos = rows["masked_positions"].astype(np.int64)
+        valid = mpos > 0  # position 0 is [CLS], never predicted: 0 marks padding slots
+        r, c = np.nonzero(valid)
+        labels[r, mpos[r, c]] = rows["masked_labels"][r, c]
+    else:
+        ids, labels = masked[0][:, :seq].astype(np.int64), masked[1][:, :seq].astype(np.int64)
+    seg_a = rows["segment_a_lengths"].astype(np.int64)[:, None]
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "attention_mask": torch.from_numpy((pos < lengths[:, None]).astype(np.int64)),
+        "token_type_ids": torch.from_numpy(((pos >= seg_a) & (pos < lengths[:, None]))
+                                           .astype(np.int64)),
+        "labels": torch.from_numpy(labels),
+        "next_sentence_label": torch.from_numpy(rows["next_sentence_labels"].astype(np.int64)),
+    }
+
+
+def unmasked_ids(rows: dict) -> np.ndarray:
+    """The original sequence: static masks undone by writing the labels back."""
+    ids = rows["input_ids"].astype(np.int64)
+    mpos = rows["masked_positions"].astype(np.int64)
+    r, c = np.nonzero(mpos > 0)
+    ids[r, mpos[r, c]] = rows["masked_labels"][r, c]
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# The training stream
+
+
+@dataclass
+class DataPosition:
+    """Where the stream is: global samples consumed since the start of training."""
+
+    samples_consumed: int = 0
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class TrainStream:
+    """Yields, per optimizer step, this rank's micro-batches of the next global batch."""
+
+    def __init__(self, data: PreparedData, cfg: DataConfig, seed: int, global_batch_size: int,
+                 micro_batch_size: int, world_size: int, rank: int, samples_consumed: int = 0):
+        if global_batch_size % (world_size * micro_batch_size):
+            raise DataError(
+                f"trainer.global_batch_size={global_batch_size} is not divisible by "
+                f"world_size ({world_size}) x trainer.micro_batch_size ({micro_batch_size}); "
+                f"pick sizes so that it divides"
+            )
+        self.split = data.split(cfg.train_split)
+        self.cfg = cfg
+        self.seed = seed
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.world_size, self.rank = world_size, rank
+        self.accumulation_steps = global_batch_size // (world_size * micro_batch_size)
+        self.position = DataPosition(samples_consumed)
+        self.masker = Masker(data, seed, cfg.masked_lm_prob) if cfg.masking == "dynamic" else None
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def epoch(self) -> float:
+        return self.position.samples_consumed / self.split.num_instances
+
+    def _instances(self, start: int, count: int):
+        """(epoch, instance index) of global samples start .. start+count-1."""
+        n = self.split.num_instances
+        k = np.arange(start, start + count, dtype=np.int64)
+        epochs = k // n
+        index = np.empty_like(k)
+        for e in np.unique(epochs):
+            if e != self._perm_epoch:
+                self._perm_epoch, self._perm = int(e), epoch_permutation(self.seed, int(e), n)
+            sel = epochs == e
+            index[sel] = self._perm[k[sel] % n]
+        return epochs, index
+
+    def micro_batches(self, start: int) -> list:
+        """This rank's micro-batches of the global batch starting at global sample `start`."""
+        per_rank = self.global_batch_size // self.world_size
+        epochs, index = self._instances(start + self.rank * per_rank, per_rank)
+        out = []
+        for j in range(0, per_rank, self.micro_batch_size):
+            e, idx = epochs[j:j + self.micro_batch_size], index[j:j + self.micro_batch_size]
+            rows = self.split.gather(idx)
+            masked = None
+            if self.masker is not None:
+                masked = self.masker(unmasked_ids(rows), rows["lengths"].astype(np.int64), e, idx)
+            batch = collate(rows, self.cfg.pad_to_multiple_of, masked)
+            batch["num_tokens"] = int(rows["lengths"].astype(np.int64).sum())
+            out.append(batch)
+        return out
+
+    def next_step(self) -> list:
+        """Micro-batches for the next optimizer step; advances the position by a global batch."""
+        batches = self.micro_batches(self.position.samples_consumed)
+        self.position.samples_consumed += self.global_batch_size
+        return batches
+
+
+def eval_batches(data: PreparedData, cfg: DataConfig, batch_size: int, world_size: int,
+                 rank: int, max_samples: Optional[int]):
+    """The held-out split in file order with its static masks, split over ranks (no padding
+    duplicates: ranks may get one batch fewer, the metrics are token-weighted sums)."""
+    split = data.split(cfg.eval_split)
+    n = split.num_instances if max_samples is None else min(max_samples, split.num_instances)
+    for start in range(rank * batch_size, n, world_size * batch_size):
+        idx = np.arange(start, min(start + batch_size, n), dtype=np.int64)
+        yield collate(split.gather(idx), cfg.pad_to_multiple_of)

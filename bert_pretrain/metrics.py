@@ -1,0 +1,107 @@
+"""Where metrics go: `<run_dir>/metrics.jsonl` (always), Weights & Biases (logger=wandb), and the
+progress bar.  Only the main process creates a `Metrics` that writes; the others get a no-op."""
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class LoggerConfig:
+    """`conf/logger/`: none (metrics.jsonl and the progress bar only) or wandb."""
+
+    name: str = "none"
+    project: str = "bert-pretrain"
+    entity: Optional[str] = None
+    mode: str = "online"
+    """online, offline (no network: sync later with `wandb sync <run_dir>/wandb/...`), disabled."""
+    run_name: Optional[str] = None
+    """null = the run's `name`."""
+    group: Optional[str] = None
+    """e.g. one group per sweep, so its members are plotted together."""
+    tags: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.name not in LOGGERS:
+            raise ValueError(f"logger.name must be one of {', '.join(LOGGERS)}, got {self.name!r}")
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"logger.mode must be one of {', '.join(WANDB_MODES)}, got "
+                             f"{self.mode!r}")
+
+
+def truncate_jsonl(path: str, max_step: int) -> None:
+    """On resume: drop records logged after the checkpoint (they will be logged again)."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [ln for ln in f if ln.strip()]
+    kept = []
+    for ln in lines:
+        try:
+            if json.loads(ln).get("step", 0) <= max_step:
+                kept.append(ln)
+        except ValueError:  # a line cut short by a crash
+            continue
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+
+
+class Metrics:
+    """metrics.jsonl + optional wandb, on the main process."""
+
+    def __init__(self, cfg: LoggerConfig, run_dir: str, run_name: str, resolved_config: dict,
+                 resume_step: Optional[int]):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        os.makedirs(run_dir, exist_ok=True)
+        if resume_step is None:
+            open(self.path, "w").close()
+        else:
+            truncate_jsonl(self.path, resume_step)
+        self.file = open(self.path, "a", encoding="utf-8")
+        self.wandb = None
+        self.wandb_dir = None
+        if cfg.name == "wandb":
+            import wandb  # imported only when asked for: it is slow to import
+
+            id_file = os.path.join(run_dir, "wandb_run_id")
+            if os.path.isfile(id_file):
+                run_id = open(id_file).read().strip()
+            else:
+                run_id = wandb.util.generate_id()
+                with open(id_file, "w") as f:
+                    f.write(run_id)
+            self.wandb = wandb.init(
+                project=cfg.project, entity=cfg.entity, name=cfg.run_name or run_name,
+                group=cfg.group, tags=list(cfg.tags), config=resolved_config, mode=cfg.mode,
+                dir=run_dir, id=run_id, resume="allow",
+            )
+            self.wandb_dir = getattr(self.wandb, "dir", None)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"},
+                           step=record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class NullMetrics:
+    """Non-main processes: log nothing."""
+
+    path = None
+    wandb_dir = None
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,208 @@
+"""Optimizers (AdamW, LAMB) with BERT's parameter groups, and learning-rate schedules that follow
+either the step count or elapsed wall-clock time (a training budget, as in Cramming)."""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+SCHEDULES = ("linear", "polynomial", "constant")
+
+
+@dataclass
+class OptimConfig:
+    """`conf/optim/`: the optimizer and its hyperparameters (they change results)."""
+
+    name: str = "adamw"
+    """adamw (torch.optim.AdamW) or lamb (layer-wise adaptive moments, You et al. 2019)."""
+    lr: float = 1e-4
+    """Peak learning rate (reached at the end of warmup)."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and LayerNorm weights (as BERT)."""
+    fused: Optional[bool] = None
+    """AdamW only, speed only: torch's fused kernel; null = use it where torch has it."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "lamb"):
+            raise ValueError(f"optim.name must be adamw or lamb, got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0 or self.weight_decay < 0:
+            raise ValueError("optim.eps must be > 0 and optim.weight_decay >= 0")
+
+
+@dataclass
+class SchedulerConfig:
+    """`conf/scheduler/`: the shape of the learning-rate curve after warmup.
+
+    The length of training (trainer.max_steps, trainer.budget_hours) and of warmup
+    (trainer.warmup_steps) belong to the trainer; the scheduler is only the shape.
+    """
+
+    name: str = "linear"
+    """linear: decay linearly to end_lr_ratio; polynomial: (1 - progress) ** power (NVIDIA's
+    BERT recipe uses power 0.5); constant: flat after warmup."""
+    power: float = 1.0
+    end_lr_ratio: float = 0.0
+    """The learning rate at the end of training, as a fraction of optim.lr."""
+
+    def __post_init__(self) -> None:
+        if self.name not in SCHEDULES:
+            raise ValueError(f"scheduler.name must be one of {', '.join(SCHEDULES)}, got "
+                             f"{self.name!r}")
+        if self.power <= 0:
+            raise ValueError(f"scheduler.power must be > 0, got {self.power}")
+        if not 0.0 <= self.end_lr_ratio <= 1.0:
+            raise ValueError(f"scheduler.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter groups and optimizers
+
+
+def param_groups(named_params, weight_decay: float) -> list:
+    """Two groups: matrices decay; biases and LayerNorm weights (all 1-d tensors) do not.
+
+    Google's BERT excludes "LayerNorm" and "bias" by name; every such tensor is 1-d and every
+    other BERT tensor is 2-d, so the shape rule is the same set without string matching.
+    """
+    decay, no_decay = [], []
+    for _, p in named_params:
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0, "exclude_from_layer_adaptation": True},
+    ]
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB (You et al., "Large Batch Optimization for Deep Learning", 2019, Algorithm 2).
+
+    Per tensor w with gradient g at step t:
+        m = b1 m + (1 - b1) g            v = b2 v + (1 - b2) g^2
+        m_hat = m / (1 - b1^t)           v_hat = v / (1 - b2^t)
+        u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
+        ratio = ||w|| / ||u||   (1 if either norm is 0)
+        w = w - lr * ratio * u
+    Groups with `exclude_from_layer_adaptation` use ratio 1 (Google's BERT LAMB does this for
+    the parameters excluded from weight decay: biases and LayerNorm).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        exclude_from_layer_adaptation=False)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                state["step"] += 1
+                t = state["step"].item()
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                update = (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt_().add_(group["eps"]))
+                w = p.float()
+                if group["weight_decay"]:
+                    update.add_(w, alpha=group["weight_decay"])
+                ratio = 1.0
+                if not group["exclude_from_layer_adaptation"]:
+                    w_norm, u_norm = w.norm(), update.norm()
+                    ratio = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm,
+                                        torch.ones_like(w_norm))
+                p.sub_((update * (group["lr"] * ratio)).to(p.dtype))
+        return loss
+
+
+def _fused_supported(params) -> bool:
+    return all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda", "mps", "xpu")
+               for p in params)
+
+
+def build_optimizer(cfg: OptimConfig, named_params) -> torch.optim.Optimizer:
+    named_params = list(named_params)
+    groups = param_groups(named_params, cfg.weight_decay)
+    if cfg.name == "lamb":
+        return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                    weight_decay=cfg.weight_decay)
+    for g in groups:
+        g.pop("exclude_from_layer_adaptation", None)
+    fused = cfg.fused
+    if fused is None:
+        fused = _fused_supported(p for _, p in named_params)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, fused=bool(fused))
+
+
+# --------------------------------------------------------------------------------------------
+# Schedules
+
+
+def schedule_shape(cfg: SchedulerConfig, progress: float) -> float:
+    """LR factor after warmup, for decay progress in [0, 1]."""
+    q = min(max(progress, 0.0), 1.0)
+    if cfg.name == "constant":
+        return 1.0
+    remaining = 1.0 - q if cfg.name == "linear" else (1.0 - q) ** cfg.power
+    return cfg.end_lr_ratio + (1.0 - cfg.end_lr_ratio) * remaining
+
+
+class Schedule:
+    """Learning-rate factor for optimizer step `step` (0-based).
+
+    Warmup is linear over `warmup_steps` steps: step s uses (s + 1) / warmup_steps, so the first
+    update is not wasted at lr 0.  After warmup the decay progress is
+      step mode:   (s - warmup) / (max_steps - warmup)
+      budget mode: (elapsed - t_w) / (budget - t_w), t_w = elapsed seconds when warmup ended,
+    i.e. in budget mode the curve follows wall-clock time, so a slower machine still ends at the
+    end of its schedule when the budget runs out (Cramming).
+    """
+
+    def __init__(self, cfg: SchedulerConfig, max_steps: int, warmup_steps: int,
+                 budget_seconds: Optional[float] = None):
+        self.cfg = cfg
+        self.max_steps = max_steps
+        self.warmup_steps = warmup_steps
+        self.budget_seconds = budget_seconds
+        self.warmup_end_elapsed: Optional[float] = 0.0 if warmup_steps == 0 else None
+
+    def factor(self, step: int, elapsed: float = 0.0) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.budget_seconds is None:
+            span = max(self.max_steps - self.warmup_steps, 1)
+            return schedule_shape(self.cfg, (step - self.warmup_steps) / span)
+        if self.warmup_end_elapsed is None:
+            self.warmup_end_elapsed = elapsed
+        span = max(self.budget_seconds - self.warmup_end_elapsed, 1e-9)
+        return schedule_shape(self.cfg, (elapsed - self.warmup_end_elapsed) / span)
+
+    def state_dict(self) -> dict:
+        return {"warmup_end_elapsed": self.warmup_end_elapsed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.warmup_end_elapsed = state["warmup_end_elapsed"]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,92 @@
+"""Test support for the training tests: a tiny prepared-data directory written exactly as
+docs/prepared-format.md specifies (for unit tests that must not depend on bert-prep's speed), and
+a helper that runs bert-prep for real (end-to-end tests)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_prepared(root: str, num_train: int = 96, num_valid: int = 24, seq: int = 32,
+                   max_pred: int = 5, vocab_size: int = 64, seed: int = 0,
+                   shards: int = 2, whole_word: bool = False) -> str:
+    """Synthetic instances with a learnable structure (segment B repeats A's token pattern when
+    the NSP label is 0), static masks with BERT's rules, and a WordPiece-style vocab."""
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range((vocab_size - len(SPECIALS)) // 2)]
+    pieces = [f"##p{i}" for i in range(vocab_size - len(SPECIALS) - len(words))]
+    vocab = SPECIALS + words + pieces
+    assert len(vocab) == vocab_size
+    os.makedirs(os.path.join(root, "tokenizer"), exist_ok=True)
+    with open(os.path.join(root, "tokenizer", "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    sha = hashlib.sha256("\n".join(vocab).encode()).hexdigest()
+    splits = {}
+    for split, n in (("train", num_train), ("validation", num_valid)):
+        per = [n // shards + (1 if i < n % shards else 0) for i in range(shards)]
+        infos = []
+        for si, count in enumerate(per):
+            ids = np.zeros((count, seq), dtype=np.uint16)
+            lengths = np.zeros(count, dtype=np.uint16)
+            seg_a = np.zeros(count, dtype=np.uint16)
+            mpos = np.zeros((count, max_pred), dtype=np.uint16)
+            mlab = np.zeros((count, max_pred), dtype=np.uint16)
+            nsp = rng.integers(0, 2, size=count).astype(np.uint8)
+            for i in range(count):
+                la = int(rng.integers(3, (seq - 3) // 2))
+                lb = int(rng.integers(3, (seq - 3) // 2))
+                a = rng.integers(len(SPECIALS), vocab_size, size=la)
+                b = (a[:lb] if lb <= la else np.resize(a, lb)) if nsp[i] == 0 else \
+                    rng.integers(len(SPECIALS), vocab_size, size=lb)
+                toks = np.concatenate([[2], a, [3], b, [3]])
+                length = len(toks)
+                cand = np.array([j for j in range(length) if toks[j] > 4])
+                k = min(max_pred, max(1, int(round(length * 0.15))))
+                chosen = np.sort(rng.choice(cand, size=k, replace=False))
+                orig = toks.copy()
+                for j in chosen:
+                    r = rng.random()
+                    toks[j] = 4 if r < 0.8 else (rng.integers(5, vocab_size) if r < 0.9 else toks[j])
+                ids[i, :length] = toks
+                lengths[i], seg_a[i] = length, la + 2
+                mpos[i, :k], mlab[i, :k] = chosen, orig[chosen]
+            path = f"{split}/shard-{si:05d}"
+            os.makedirs(os.path.join(root, path), exist_ok=True)
+            for name, arr in (("input_ids", ids), ("lengths", lengths),
+                              ("segment_a_lengths", seg_a), ("masked_positions", mpos),
+                              ("masked_labels", mlab), ("next_sentence_labels", nsp)):
+                np.save(os.path.join(root, path, name + ".npy"), arr)
+            infos.append({"path": path, "num_instances": count})
+        splits[split] = {"num_instances": n, "shards": infos}
+    manifest = {
+        "format_version": 1, "complete": True, "max_seq_length": seq,
+        "max_predictions_per_seq": max_pred, "vocab_size": vocab_size, "token_dtype": "uint16",
+        "special_token_ids": {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4},
+        "tokenizer": {"path": "tokenizer", "sha256": sha, "do_lower_case": True},
+        "splits": splits,
+        "masking": {"masked_lm_prob": 0.15, "whole_word_mask": whole_word,
+                    "max_predictions_per_seq": max_pred},
+        "seed": seed,
+    }
+    with open(os.path.join(root, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return root
+
+
+def run_bert_train(args, cwd, env=None, timeout=600):
+    """bert-train in a subprocess (the real entry point: Hydra, exit codes, stderr)."""
+    full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=cwd,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: str) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
