@@ -1,0 +1,173 @@
+"""Speed switches (ModelImpl) against the plain path: same losses, logits and gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
+
+PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False)
+
+
+def tiny_config(**kw) -> BertConfig:
+    base = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=32)
+    return BertConfig(**{**base, **kw})
+
+
+def make_batch(cfg: BertConfig, batch=5, seq=20, seed=0):
+    """Random lengths (some full), two segments, ~15% labelled real positions."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(seq // 3, seq + 1, (batch,), generator=g)
+    lengths[0] = seq
+    pos = torch.arange(seq)
+    mask = (pos[None] < lengths[:, None]).long()
+    ids = torch.randint(5, cfg.vocab_size, (batch, seq), generator=g).masked_fill(mask == 0, 0)
+    types = ((pos[None] >= (lengths // 2)[:, None]) & (mask == 1)).long()
+    labelled = (torch.rand(batch, seq, generator=g) < 0.15) & (mask == 1) & (pos[None] > 0)
+    labelled[:, 1] = True
+    labels = torch.where(labelled, torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),
+                         torch.full_like(ids, -100))
+    nsp = torch.randint(0, 2, (batch,), generator=g)
+    return dict(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels,
+                next_sentence_label=nsp)
+
+
+def run_step(model, batch, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def assert_same_step(reference, candidate, batch, atol=1e-5):
+    ref_out, ref_grads = run_step(reference, batch)
+    out, grads = run_step(candidate, batch)
+    for name in ("loss", "mlm_loss", "nsp_loss", "seq_relationship_logits"):
+        assert torch.allclose(getattr(out, name), getattr(ref_out, name), atol=atol, rtol=0), name
+    labelled = batch["labels"] != -100
+    dense_rows = ref_out.prediction_logits[labelled]
+    if out.mlm_labels is not None:
+        assert torch.equal(out.mlm_labels, batch["labels"][labelled])
+        assert torch.allclose(out.prediction_logits, dense_rows, atol=atol, rtol=0)
+    else:
+        assert torch.allclose(out.prediction_logits[labelled], dense_rows, atol=atol, rtol=0)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=atol, rtol=1e-4), name
+
+
+def twin(cfg, impl, source):
+    model = BertForPreTraining(cfg, impl).train()
+    model.load_state_dict(source.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("switches", [
+    dict(sparse_prediction=True),
+    dict(unpad=True),
+    dict(fused_qkv=True),
+    dict(attention="eager"),
+    dict(sparse_prediction=True, unpad=True, fused_qkv=True),
+], ids=lambda s: "+".join(s))
+@pytest.mark.parametrize("position_type", ["absolute", "relative_key_query"])
+def test_switch_equals_plain_path(switches, position_type):
+    # Dropout off: the layouts draw different random masks, which is fine in training but would
+    # make the comparison meaningless.
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      position_embedding_type=position_type)
+    torch.manual_seed(0)
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    fast = twin(cfg, dataclasses.replace(PLAIN, **switches), plain)
+    assert_same_step(plain, fast, make_batch(cfg))
+
+
+def test_pre_layer_norm_fast_path_equals_plain():
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      pre_layer_norm=True)
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    assert_same_step(plain, twin(cfg, ModelImpl(), plain), make_batch(cfg, seed=4))
+
+
+def test_unpad_falls_back_when_first_token_is_padding():
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch = make_batch(cfg, seed=5)
+    batch["attention_mask"][2] = batch["attention_mask"][2].flip(0)  # left padding
+    batch["labels"][2] = torch.where(batch["attention_mask"][2] == 1, 7, -100)
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    assert_same_step(plain, twin(cfg, ModelImpl(), plain), batch)
+
+
+def test_no_attention_mask_and_no_padding():
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch = make_batch(cfg, seed=6)
+    batch["attention_mask"] = None
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    assert_same_step(plain, twin(cfg, ModelImpl(), plain), batch)
+
+
+def test_hidden_states_and_attentions_with_unpadding():
+    cfg = tiny_config()
+    plain = BertForPreTraining(cfg, PLAIN).eval()
+    fast = twin(cfg, ModelImpl(), plain).eval()
+    batch = make_batch(cfg, seed=7)
+    mask = batch["attention_mask"].bool()
+    with torch.no_grad():
+        a = plain(**batch, output_attentions=True, output_hidden_states=True)
+        b = fast(**batch, output_attentions=True, output_hidden_states=True)
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert torch.allclose(x[mask], y[mask], atol=1e-5)
+        assert torch.all(y[~mask] == 0)  # unpadded layout: padding rows come back as zeros
+    for x, y in zip(a.attentions, b.attentions):
+        rows = mask[:, None, :, None].expand_as(x)
+        assert torch.allclose(x[rows], y[rows], atol=1e-6)
+
+
+def test_gradient_checkpointing_is_exact_with_dropout():
+    cfg = tiny_config()  # dropout on: checkpointing must replay the same masks
+    plain = BertForPreTraining(cfg, ModelImpl()).train()
+    ckpt = twin(cfg, ModelImpl(gradient_checkpointing=True), plain)
+    batch = make_batch(cfg, seed=8)
+    torch.manual_seed(123)
+    ref_out, ref_grads = run_step(plain, batch)
+    torch.manual_seed(123)
+    out, grads = run_step(ckpt, batch)
+    assert torch.equal(out.loss, ref_out.loss)
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-6, rtol=0), name
+
+
+def test_dropout_is_active_in_training_only():
+    cfg = tiny_config()
+    model = BertForPreTraining(cfg)
+    batch = make_batch(cfg, seed=9)
+    with torch.no_grad():
+        train_losses = {model.train()(**batch).loss.item() for _ in range(3)}
+        eval_losses = {model.eval()(**batch).loss.item() for _ in range(3)}
+    assert len(train_losses) == 3 and len(eval_losses) == 1
+
+
+@pytest.mark.parametrize("backend", ["aot_eager"])
+def test_torch_compile_matches_eager(backend):
+    """Compiles forward and backward (through AOT autograd) of the default implementation."""
+    torch._dynamo.reset()
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      num_hidden_layers=1)
+    eager = BertForPreTraining(cfg).train()
+    compiled_model = twin(cfg, ModelImpl(), eager)
+    compiled = torch.compile(compiled_model, backend=backend)
+    batch = make_batch(cfg, seed=10)
+    ref_out, ref_grads = run_step(eager, batch)
+    compiled_model.zero_grad(set_to_none=True)
+    out = compiled(**batch)
+    out.loss.backward()
+    assert torch.allclose(out.loss, ref_out.loss, atol=1e-5)
+    for name, p in compiled_model.named_parameters():
+        assert torch.allclose(p.grad, ref_grads[name], atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_matches_eager():
+    test_torch_compile_matches_eager("inductor")
