@@ -1,0 +1,44 @@
+"""`bert-prep`: the Hydra entry point (config: conf/prep.yaml, corpus group: conf/corpus/).
+
+    bert-prep corpus=text corpus.paths='[data/wiki/*.txt]' tokenizer.vocab_size=30522 \
+              max_seq_length=128 dupe_factor=5 num_proc=8 output_dir=prepared/wiki128
+
+A user-fixable problem prints ``bert-prep: error: <what and how to fix>`` and exits 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from data_prep.config import PrepConfig
+from data_prep.errors import PrepError
+
+
+def fail(message: str) -> None:
+    print(f"bert-prep: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+# "../conf" relative to this file, made absolute: given a relative path, Hydra resolves it as a
+# Python package ("pkg://conf") when the entry point is an installed console script, and fails.
+CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="prep")
+def main(cfg: DictConfig) -> None:
+    from data_prep.pipeline import run
+    try:
+        d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        run(PrepConfig.from_dict(d))
+    except PrepError as e:
+        fail(str(e))
+    except OmegaConfBaseException as e:
+        fail(str(e).splitlines()[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Typed, validated schema of the prep config (`conf/prep.yaml` + `conf/corpus/*.yaml`).
+
+Hydra composes the YAML; `PrepConfig.from_dict` turns the result into these dataclasses and
+`__post_init__` validates every field, so a bad value fails before any work starts, with a
+one-line `PrepError` that names the field and the fix.
+
+Settings that change the output (seed, lengths, probabilities, shard size, ...) are kept apart
+from `num_proc` and `tokenize_batch_size`, which only change speed: the output is byte-identical
+whatever their values (tested).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from data_prep.errors import PrepError
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _paths(value: Any, where: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise PrepError(f"{where} must be a path or a list of paths, got {value!r}: "
+                    f"pass e.g. {where}='[data/*.txt]'")
+
+
+@dataclass
+class TextCorpusConfig:
+    """BERT's text format: one sentence per line, a blank line between documents."""
+    paths: list[str] = field(default_factory=list)   # files, globs or directories
+    source: str = "text"
+
+    def __post_init__(self):
+        self.paths = _paths(self.paths, "corpus.paths")
+        if not self.paths:
+            raise PrepError("corpus.paths is empty: pass the text to prepare, e.g. "
+                            "corpus.paths='[data/wiki/*.txt]'")
+
+
+@dataclass
+class DocumentsCorpusConfig:
+    """Plain paragraph text, split into sentences by blingfire."""
+    paths: list[str] = field(default_factory=list)
+    # "file": each file is one document; "blank_line": blank lines separate documents.
+    document_per: str = "file"
+    source: str = "documents"
+
+    def __post_init__(self):
+        self.paths = _paths(self.paths, "corpus.paths")
+        if not self.paths:
+            raise PrepError("corpus.paths is empty: pass the documents to prepare, e.g. "
+                            "corpus.paths='[data/docs/]'")
+        if self.document_per not in ("file", "blank_line"):
+            raise PrepError(f"corpus.document_per={self.document_per!r} is not one of "
+                            "'file', 'blank_line'")
+
+
+@dataclass
+class HFCorpusConfig:
+    """A Hugging Face dataset, one document per row, loaded through `datasets`."""
+    name: Optional[str] = None        # hub name ("wikimedia/wikipedia"), a builder ("parquet",
+                                      # "json", "text") or a local dir (save_to_disk or files)
+    config: Optional[str] = None      # the dataset's config / subset ("20231101.en")
+    split: str = "train"
+    text_column: str = "text"
+    streaming: bool = False
+    data_files: Any = None            # for builders like "parquet": a path, glob or list
+    revision: Optional[str] = None
+    max_documents: Optional[int] = None   # take only the first N rows (quick trials)
+    # How a row's text becomes sentences: "blingfire" (paragraph text) or "lines" (already one
+    # sentence per line).
+    sentence_split: str = "blingfire"
+    source: str = "hf"
+
+    def __post_init__(self):
+        if not self.name:
+            raise PrepError("corpus.name is not set: pass a dataset name or local path, e.g. "
+                            "corpus.name=wikimedia/wikipedia corpus.config=20231101.en")
+        if not self.text_column:
+            raise PrepError("corpus.text_column is empty: name the column that holds the text")
+        if self.max_documents is not None and self.max_documents < 1:
+            raise PrepError(f"corpus.max_documents={self.max_documents} must be >= 1 or null")
+        if self.sentence_split not in ("blingfire", "lines"):
+            raise PrepError(f"corpus.sentence_split={self.sentence_split!r} is not one of "
+                            "'blingfire', 'lines'")
+
+
+@dataclass
+class BuiltinCorpusConfig:
+    """Documentation shipped with Python: pydoc topics and standard-library docstrings."""
+    include_topics: bool = True
+    include_docstrings: bool = True
+    source: str = "builtin"
+
+    def __post_init__(self):
+        if not (self.include_topics or self.include_docstrings):
+            raise PrepError("the builtin corpus is empty: set corpus.include_topics=true or "
+                            "corpus.include_docstrings=true")
+
+
+CORPUS_CONFIGS = {"text": TextCorpusConfig, "documents": DocumentsCorpusConfig,
+                  "hf": HFCorpusConfig, "builtin": BuiltinCorpusConfig}
+
+
+@dataclass
+class TokenizerConfig:
+    # Reuse an existing vocabulary instead of training one: a vocab.txt, a tokenizer.json, or a
+    # directory holding either (e.g. the tokenizer/ dir of an earlier prep).
+    vocab_file: Optional[str] = None
+    vocab_size: int = 30522           # when training
+    min_frequency: int = 2            # when training
+    limit_alphabet: int = 1000        # when training: at most this many initial characters
+    do_lower_case: bool = True        # also strips accents, like BERT's uncased models
+
+    def __post_init__(self):
+        if self.vocab_file is None:
+            if not 64 <= self.vocab_size <= 2 ** 31 - 1:
+                raise PrepError(f"tokenizer.vocab_size={self.vocab_size} is too small: use at "
+                                "least 64 (BERT uses 30522)")
+            if self.min_frequency < 1:
+                raise PrepError(f"tokenizer.min_frequency={self.min_frequency} must be >= 1")
+
+
+@dataclass
+class PrepConfig:
+    corpus: Any
+    output_dir: Optional[str] = None
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # --- settings that change the output -------------------------------------------------------
+    seed: int = 12345
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    masked_lm_prob: float = 0.15
+    short_seq_prob: float = 0.1
+    random_next_prob: float = 0.5
+    whole_word_mask: bool = False
+    dupe_factor: int = 5
+    # Fraction of tokens held out (whole documents) for validation; 0 disables the split.
+    validation_fraction: float = 0.01
+    # Work-unit size: each unit of ~this many tokens (cut at sentence boundaries) times each
+    # dupe copy becomes one shard with its own seeded RNG.
+    tokens_per_shard: int = 1_000_000
+    # --- settings that change only speed / where the work runs ---------------------------------
+    num_proc: Optional[int] = None          # worker processes; null = all CPUs
+    tokenize_batch_size: int = 8192         # sentences per tokenizers.encode_batch call
+    num_hosts: int = 1                      # split the shards over this many machines...
+    host_index: Optional[int] = None        # ...this one writes shards i with i % num_hosts == it
+    overwrite: bool = False                 # delete an existing prep in output_dir first
+    progress: bool = True                   # tqdm progress bars
+
+    def __post_init__(self):
+        if not self.output_dir:
+            raise PrepError("output_dir is not set: pass output_dir=prepared/<name>")
+        L = self.max_seq_length
+        if not isinstance(L, int) or L < 8:
+            raise PrepError(f"max_seq_length={L} is too short: use at least 8 (BERT uses 128 "
+                            "then 512)")
+        if L > 65535:
+            raise PrepError(f"max_seq_length={L} is too long: at most 65535")
+        if not 1 <= self.max_predictions_per_seq <= L:
+            raise PrepError(f"max_predictions_per_seq={self.max_predictions_per_seq} must be in "
+                            f"[1, max_seq_length={L}] (BERT: 20 at 128, 80 at 512)")
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise PrepError(f"masked_lm_prob={self.masked_lm_prob} must be in (0, 1) "
+                            "(BERT uses 0.15)")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise PrepError(f"short_seq_prob={self.short_seq_prob} must be in [0, 1]")
+        if not 0.0 <= self.random_next_prob <= 1.0:
+            raise PrepError(f"random_next_prob={self.random_next_prob} must be in [0, 1]")
+        if self.dupe_factor < 1:
+            raise PrepError(f"dupe_factor={self.dupe_factor} must be >= 1")
+        if not 0.0 <= self.validation_fraction < 0.5:
+            raise PrepError(f"validation_fraction={self.validation_fraction} must be in [0, 0.5)")
+        if self.tokens_per_shard < 1000:
+            raise PrepError(f"tokens_per_shard={self.tokens_per_shard} must be >= 1000")
+        if self.num_proc is None:
+            self.num_proc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else (os.cpu_count() or 1)
+        if self.num_proc < 1:
+            raise PrepError(f"num_proc={self.num_proc} must be >= 1")
+        if self.tokenize_batch_size < 1:
+            raise PrepError(f"tokenize_batch_size={self.tokenize_batch_size} must be >= 1")
+        if self.num_hosts < 1:
+            raise PrepError(f"num_hosts={self.num_hosts} must be >= 1")
+        if self.host_index is not None and not 0 <= self.host_index < self.num_hosts:
+            raise PrepError(f"host_index={self.host_index} must be in [0, num_hosts="
+                            f"{self.num_hosts})")
+
+    # Which fields change the output: used for the resume check and the manifest.
+    SPEED_ONLY = ("num_proc", "tokenize_batch_size", "num_hosts", "host_index", "overwrite",
+                  "progress")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrepConfig":
+        d = dict(d)
+        d.pop("hydra", None)
+        corpus = d.pop("corpus", None)
+        if not isinstance(corpus, dict) or "source" not in corpus:
+            raise PrepError("no corpus chosen: pass corpus=text|documents|hf|builtin")
+        source = corpus["source"]
+        if source not in CORPUS_CONFIGS:
+            raise PrepError(f"corpus.source={source!r} is not one of {sorted(CORPUS_CONFIGS)}")
+        tok = d.pop("tokenizer", None) or {}
+        return cls(corpus=_build(CORPUS_CONFIGS[source], corpus, "corpus"),
+                   tokenizer=_build(TokenizerConfig, tok, "tokenizer"),
+                   **_check_keys(cls, d, ""))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def result_dict(self) -> dict:
+        """The settings that determine the output (what a resumed run must agree on)."""
+        d = self.to_dict()
+        for k in self.SPEED_ONLY + ("output_dir",):
+            d.pop(k)
+        return d
+
+
+def _check_keys(cls, d: dict, prefix: str) -> dict:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        known = ", ".join(sorted(prefix + n for n in names))
+        raise PrepError(f"unknown setting {prefix}{unknown[0]}: the known ones are {known}")
+    for f in dataclasses.fields(cls):
+        v = d.get(f.name)
+        if v is None:
+            continue
+        want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        bad = ((want in ("int", "Optional[int]") and (not isinstance(v, int) or isinstance(v, bool)))
+               or (want == "float" and not isinstance(v, (int, float)))
+               or (want == "bool" and not isinstance(v, bool)))
+        if bad:
+            raise PrepError(f"{prefix}{f.name}={v!r} is not a valid {want.replace('Optional[', '').rstrip(']')}")
+        if want == "float":
+            d[f.name] = float(v)
+    return d
+
+
+def _build(cls, d: dict, prefix: str):
+    return cls(**_check_keys(cls, dict(d), prefix + "."))

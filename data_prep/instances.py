@@ -1,0 +1,150 @@
+"""NSP instances of one work unit: Google's `create_instances_from_document`, minus its bugs.
+
+The Python loop below handles only sentence indices and token offsets (ints); tokens are gathered
+and masked later for the whole shard at once (`masking.py`).  Semantics follow Google's
+create_pretraining_data.py:
+  * sentences are added to a chunk until it reaches a target length (`max_seq_length - 3`, or
+    with probability `short_seq_prob` a random length in [2, max]);
+  * segment A is the chunk's first 1..n-1 sentences (a random split), B the rest ("actual
+    next"), or with probability `random_next_prob` B is drawn from a random other document and
+    the unused sentences of the chunk are put back;
+  * `truncate_seq_pair` then trims the longer segment, one token at a time, from the front or
+    the back at random.
+What we do differently, on purpose:
+  * the random document is never the chunk's own document (Google can pick it);
+  * a single-sentence chunk is not forced to random-next (Google's bias: 58.5% random-next on
+    Wikipedia): B is then taken from the document's following sentences.  Only when no
+    following sentence exists is the instance forced random, and the next free choice that
+    would be random is made "actual next" instead, so the output stays at `random_next_prob`;
+  * the short target length is drawn per instance, not once per document (Google shortens a
+    whole document at a time; per instance makes `short_seq_prob` the fraction of instances);
+  * truncation draws the front/back trims as one binomial per segment: the same distribution as
+    Google's token-by-token coin flips, vectorised.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Segments:
+    """Token ranges [start, start + len) of each instance's segments in the token store."""
+    a_start: np.ndarray
+    a_len: np.ndarray
+    b_start: np.ndarray
+    b_len: np.ndarray
+    is_random_next: np.ndarray   # bool
+    doc: np.ndarray              # document of segment A
+    b_doc: np.ndarray            # document of segment B
+
+
+def _uniforms(rng: np.random.Generator):
+    """Endless stream of U[0,1) Python floats, drawn from `rng` in blocks (fast in a loop)."""
+    while True:
+        yield from rng.random(4096).tolist()
+
+
+def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarray,
+                     split_docs: np.ndarray, max_seq_length: int, short_seq_prob: float,
+                     random_next_prob: float, rng: np.random.Generator) -> Segments:
+    max_tokens = max_seq_length - 3          # room for [CLS] A [SEP] B [SEP]
+    u = _uniforms(rng).__next__
+    a0, a1, b0, b1, rand, docs = [], [], [], [], [], []
+    r_draw, r_start, r_target = [], [], []   # random-next B is resolved after the loop
+    debt = 0   # instances forced to random-next, still to be given back as actual-next
+    n_docs = len(split_docs)
+
+    def draw_target() -> int:
+        if u() < short_seq_prob:
+            return 2 + int(u() * (max_tokens - 1))
+        return max_tokens
+
+    for d, s0, s1 in pieces.tolist():
+        off = sent_off[s0:s1 + 1].tolist()  # off[k]: token offset of sentence s0 + k
+        n = s1 - s0
+        doc_end = None
+        target = draw_target()
+        start = i = 0
+        while i < n:
+            if i < n - 1 and off[i + 1] - off[start] < target:
+                i += 1
+                continue
+            n_chunk = i - start + 1
+            a_end = start + 1 if n_chunk == 1 else start + 1 + int(u() * (n_chunk - 1))
+            random_next = u() < random_next_prob
+            if n_chunk >= 2:
+                can_follow = True
+            else:
+                if doc_end is None:
+                    doc_end = int(doc_off[d + 1])
+                can_follow = s0 + i + 1 < doc_end
+            if random_next and debt > 0 and can_follow:
+                random_next, debt = False, debt - 1
+            elif not random_next and not can_follow:
+                random_next, debt = True, debt + 1
+            a0.append(off[start])
+            a1.append(off[a_end])
+            docs.append(d)
+            rand.append(random_next)
+            if random_next:
+                r_draw.append(u())
+                r_start.append(u())
+                r_target.append(target - (off[a_end] - off[start]))
+                b0.append(-1)
+                b1.append(-1)
+                start = i = a_end          # the unused sentences go back to the document
+            elif n_chunk >= 2:
+                b0.append(off[a_end])
+                b1.append(off[i + 1])
+                start = i = i + 1
+            else:
+                # One long sentence: B is the following sentences of the same document, up to
+                # the target length (at least one sentence), possibly past this unit's piece.
+                first = s0 + i + 1
+                want = int(sent_off[first]) + max(target - (off[i + 1] - off[start]), 1)
+                end = int(np.searchsorted(sent_off, want, side="left"))
+                end = min(max(end, first + 1), doc_end)
+                b0.append(int(sent_off[first]))
+                b1.append(int(sent_off[end]))
+                start = i = end - s0
+            target = draw_target()
+
+    a0, a1 = np.array(a0, np.int64), np.array(a1, np.int64)
+    b0, b1 = np.array(b0, np.int64), np.array(b1, np.int64)
+    rand = np.array(rand, bool)
+    docs = np.array(docs, np.int64)
+    b_doc = docs.copy()
+    if rand.any():
+        # Random-next B: a document other than A's (an index drawn among the n-1 others), a
+        # random first sentence, then sentences up to the remaining target length.
+        idx = np.flatnonzero(rand)
+        own = np.searchsorted(split_docs, docs[idx])
+        pick = (np.array(r_draw) * (n_docs - 1)).astype(np.int64)
+        pick += pick >= own
+        rdoc = np.asarray(split_docs[pick], np.int64)
+        first_s, end_s = np.asarray(doc_off[rdoc]), np.asarray(doc_off[rdoc + 1])
+        s = first_s + (np.array(r_start) * (end_s - first_s)).astype(np.int64)
+        start_tok = np.asarray(sent_off[s])
+        want = start_tok + np.maximum(np.array(r_target, np.int64), 1)
+        e = np.searchsorted(sent_off, want, side="left")
+        e = np.minimum(np.maximum(e, s + 1), end_s)
+        b0[idx], b1[idx] = start_tok, np.asarray(sent_off[e])
+        b_doc[idx] = rdoc
+    a_start, a_len, b_start, b_len = truncate_pairs(a0, a1 - a0, b0, b1 - b0, max_tokens, rng)
+    return Segments(a_start, a_len, b_start, b_len, rand, docs, b_doc)
+
+
+def truncate_pairs(a_start, a_len, b_start, b_len, max_tokens: int, rng: np.random.Generator):
+    """Vectorised `truncate_seq_pair`: while too long, trim one token of the longer segment
+    (B on a tie) from its front or back with equal odds."""
+    excess = np.maximum(a_len + b_len - max_tokens, 0)
+    gap = np.abs(a_len - b_len)
+    first = np.minimum(excess, gap)                    # the longer one alone, down to a tie
+    rest = np.maximum(excess - gap, 0)                 # then alternately, B first
+    cut_a = np.where(a_len > b_len, first, 0) + rest // 2
+    cut_b = np.where(a_len > b_len, 0, first) + (rest + 1) // 2
+    front_a = rng.binomial(cut_a, 0.5)
+    front_b = rng.binomial(cut_b, 0.5)
+    return a_start + front_a, a_len - cut_a, b_start + front_b, b_len - cut_b

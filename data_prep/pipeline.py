@@ -1,0 +1,261 @@
+"""The prep pipeline, top to bottom: tokenizer -> tokenized corpus -> plan -> shards -> manifest.
+
+`run(PrepConfig)` is what `bert-prep` calls (tests and benchmarks call it directly).  Every step
+leaves a complete result under a final name or nothing, so re-running the same command after a
+crash resumes: the saved tokenizer, the tokenized corpus and every finished shard are reused,
+and `manifest.json` appears only once all shards of both splits exist.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import sys
+from typing import Iterator, Optional
+
+import numpy as np
+
+from data_prep import corpus as corpus_mod
+from data_prep.config import PrepConfig
+from data_prep.errors import PrepError
+from data_prep.instances import create_instances
+from data_prep.masking import MaskingTables, assemble, mask_rows
+from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
+from data_prep.shards import (is_done, read_stats, remove_stale_tmp, shard_path, shard_stats,
+                              stats_table, summarize, write_json_atomic, write_shard)
+from data_prep.token_store import TokenStore, is_complete, tokenize_corpus
+from data_prep.tokenizer import prepare_tokenizer
+
+FORMAT_VERSION = 1
+
+
+def _sentence_batches(cfg, size: int = 4096) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for _, s in corpus_mod.read_corpus(cfg):
+        batch.append(s)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _prepare_output_dir(cfg: PrepConfig, out: str, key: str) -> Optional[dict]:
+    """Returns the existing manifest when this exact prep is already complete."""
+    manifest = os.path.join(out, "manifest.json")
+    work_cfg = os.path.join(out, ".work", "config.json")
+    if os.path.isdir(out) and os.listdir(out):
+        ours = os.path.exists(manifest) or os.path.isdir(os.path.join(out, ".work"))
+        if not ours:
+            raise PrepError(f"output_dir={cfg.output_dir!r} exists and is not a bert-prep output: "
+                            "choose another output_dir (nothing was written)")
+        if cfg.overwrite:
+            shutil.rmtree(out)
+        else:
+            old_key = None
+            for path in (manifest, work_cfg):
+                if os.path.exists(path):
+                    with open(path) as f:
+                        old_key = json.load(f).get("key")
+                    break
+            if old_key != key:
+                raise PrepError(f"output_dir={cfg.output_dir!r} holds a prep with other "
+                                "settings or input: choose another output_dir, or add "
+                                "overwrite=true to replace it")
+            if os.path.exists(manifest):
+                with open(manifest) as f:
+                    return json.load(f)
+    os.makedirs(os.path.join(out, ".work"), exist_ok=True)
+    return None
+
+
+# ---- per-shard work (runs in worker processes) ---------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(ctx: dict) -> None:
+    _W.clear()
+    _W.update(ctx)
+    _W["store"] = TokenStore.open(ctx["tokens_dir"])
+    _W["plans"] = {s: SplitPlan.load(ctx["plan_dir"], s, ctx["dupes"][s]) for s in SPLITS}
+
+
+def _build_shard(task: tuple[str, int]) -> tuple[str, int, dict]:
+    split, index = task
+    p, store, plan = _W["params"], _W["store"], _W["plans"][split]
+    unit, dupe = plan.shard(index)
+    rng = np.random.default_rng(np.random.SeedSequence(
+        [p["seed"], SPLIT_IDS[split], unit, dupe]))
+    seg = create_instances(np.asarray(plan.unit_pieces(unit)), store.sent_off, store.doc_off,
+                           plan.docs, p["max_seq_length"], p["short_seq_prob"],
+                           p["random_next_prob"], rng)
+    ids = assemble(store.tokens, seg, p["max_seq_length"], _W["tables"])
+    lengths = seg.a_len + seg.b_len + 3
+    positions, labels, counts = mask_rows(ids, lengths, p["masked_lm_prob"],
+                                          p["max_predictions_per_seq"], p["whole_word_mask"],
+                                          _W["tables"], rng)
+    dtype = _W["token_dtype"]
+    arrays = {"input_ids": ids.astype(dtype), "lengths": lengths.astype(np.uint16),
+              "segment_a_lengths": (seg.a_len + 2).astype(np.uint16),
+              "masked_positions": positions.astype(np.uint16),
+              "masked_labels": labels.astype(dtype),
+              "next_sentence_labels": seg.is_random_next.astype(np.uint8)}
+    stats = shard_stats(lengths, seg.is_random_next, counts, p["max_seq_length"],
+                        _W["fingerprint"])
+    write_shard(shard_path(_W["out"], split, index), index, arrays, stats)
+    return split, index, stats
+
+
+def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
+    from tqdm import tqdm
+    bar = tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress)
+    if num_proc == 1 or len(tasks) <= 1:
+        _init_worker(ctx)
+        for t in tasks:
+            _build_shard(t)
+            bar.update()
+    else:
+        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+        with mp.get_context(method).Pool(min(num_proc, len(tasks)), _init_worker,
+                                         (ctx,)) as pool:
+            for _ in pool.imap_unordered(_build_shard, tasks):
+                bar.update()
+    bar.close()
+
+
+# ---- the pipeline ----------------------------------------------------------------------------
+def _versions() -> dict:
+    import tokenizers
+    try:
+        from importlib.metadata import version
+        ours = version("bert-pretrain")
+    except Exception:
+        ours = "unknown"
+    return {"python": platform.python_version(), "numpy": np.__version__,
+            "tokenizers": tokenizers.__version__, "bert_pretrain": ours}
+
+
+def run(cfg: PrepConfig) -> Optional[dict]:
+    """Prepare `cfg.output_dir`.  Returns the manifest, or None when this host's part is done
+    but other hosts' shards are still missing."""
+    out = os.path.abspath(os.path.expanduser(cfg.output_dir))
+    work = os.path.join(out, ".work")
+    ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus)}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    done = _prepare_output_dir(cfg, out, key)
+    if done is not None:
+        if cfg.progress:
+            print(f"bert-prep: {cfg.output_dir} is already complete; nothing to do")
+        return done
+    state = os.path.join(work, "config.json")
+    resume = os.path.exists(state)
+    if not resume:
+        write_json_atomic(state, {"key": key, **ident})
+    # Tokenizer environment: encode_batch uses num_proc Rust threads; our fork()ed workers never
+    # tokenize, so the fork warning of `tokenizers` does not apply.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_proc))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+    tok = prepare_tokenizer(cfg.tokenizer, lambda: _sentence_batches(cfg.corpus),
+                            os.path.join(out, "tokenizer"), cfg.progress, reuse_saved=resume)
+    fingerprint = hashlib.sha256((key + tok.sha256).encode()).hexdigest()[:16]
+
+    tokens_dir = os.path.join(work, "tokens")
+    if is_complete(tokens_dir):
+        store = TokenStore.open(tokens_dir)
+    else:
+        store = tokenize_corpus(corpus_mod.read_corpus(cfg.corpus), tok.tokenizer, tokens_dir,
+                                tok.token_dtype, cfg.tokenize_batch_size, cfg.progress)
+
+    plan_dir = os.path.join(work, "plan")
+    if not os.path.isdir(plan_dir):
+        plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
+                          cfg.dupe_factor, cfg.seed)
+        tmp = plan_dir + f".tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for p in plans.values():
+            p.save(tmp)
+        try:
+            os.rename(tmp, plan_dir)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dupes = {"train": cfg.dupe_factor, "validation": 1}
+    plans = {s: SplitPlan.load(plan_dir, s, dupes[s]) for s in SPLITS}
+
+    # Shards of this host: numbered across both splits, dealt round-robin over hosts.
+    all_shards = [(s, i) for s in SPLITS for i in range(plans[s].num_shards)]
+    mine = [t for n, t in enumerate(all_shards)
+            if cfg.host_index is None or n % cfg.num_hosts == cfg.host_index]
+    todo = [t for t in mine if not is_done(shard_path(out, *t))]
+    for s in SPLITS:
+        remove_stale_tmp(out, s, {i for split, i in todo if split == s})
+    special = tok.special_mask()
+    tables = MaskingTables(special, tok.continuation_mask(),
+                           np.flatnonzero(~special).astype(np.int32),
+                           tok.special_ids["pad"], tok.special_ids["cls"],
+                           tok.special_ids["sep"], tok.special_ids["mask"])
+    params = {k: getattr(cfg, k) for k in ("seed", "max_seq_length", "short_seq_prob",
+                                           "random_next_prob", "masked_lm_prob",
+                                           "max_predictions_per_seq", "whole_word_mask")}
+    ctx = {"tokens_dir": tokens_dir, "plan_dir": plan_dir, "dupes": dupes, "params": params,
+           "tables": tables, "token_dtype": tok.token_dtype, "fingerprint": fingerprint,
+           "out": out}
+    if cfg.progress and len(todo) < len(mine):
+        print(f"bert-prep: resuming: {len(mine) - len(todo)} of {len(mine)} shards already done")
+    _run_tasks(todo, ctx, cfg.num_proc, cfg.progress)
+
+    missing = [t for t in all_shards if not is_done(shard_path(out, *t))]
+    if missing:
+        print(f"bert-prep: host {cfg.host_index} of {cfg.num_hosts} done; "
+              f"{len(all_shards) - len(missing)} of {len(all_shards)} shards exist. Once every "
+              "host has finished, run the same command without host_index to write the manifest")
+        return None
+    return _write_manifest(cfg, out, key, fingerprint, tok, store, plans)
+
+
+def _write_manifest(cfg, out, key, fingerprint, tok, store, plans) -> dict:
+    splits, per_split, all_parts = {}, {}, []
+    for s in SPLITS:
+        shards, parts = [], []
+        for i in range(plans[s].num_shards):
+            st = read_stats(shard_path(out, s, i))
+            if st["fingerprint"] != fingerprint:
+                raise PrepError(f"{shard_path(out, s, i)} was made by another prep (tokenizer or "
+                                "settings differ): delete it and re-run")
+            parts.append(st)
+            if st["num_instances"]:
+                shards.append({"path": f"{s}/shard-{i:05d}", "num_instances": st["num_instances"]})
+        per_split[s] = summarize(parts, cfg.max_seq_length)
+        splits[s] = {"num_instances": per_split[s]["num_instances"], "shards": shards,
+                     "num_documents": int(len(plans[s].docs)), "stats": per_split[s]}
+        all_parts += parts
+    stats = summarize(all_parts, cfg.max_seq_length)
+    manifest = {
+        "format_version": FORMAT_VERSION, "complete": True, "key": key,
+        "fingerprint": fingerprint,
+        "max_seq_length": cfg.max_seq_length,
+        "max_predictions_per_seq": cfg.max_predictions_per_seq,
+        "vocab_size": tok.vocab_size, "token_dtype": tok.token_dtype,
+        "special_token_ids": tok.special_ids,
+        "tokenizer": {"path": "tokenizer", "sha256": tok.sha256,
+                      "do_lower_case": tok.do_lower_case},
+        "splits": splits,
+        "masking": {"masked_lm_prob": cfg.masked_lm_prob, "whole_word_mask": cfg.whole_word_mask,
+                    "max_predictions_per_seq": cfg.max_predictions_per_seq},
+        "seed": cfg.seed, "dupe_factor": cfg.dupe_factor,
+        "config": cfg.to_dict(),
+        "counts": {"num_documents": store.num_documents, "num_sentences": store.num_sentences,
+                   "num_tokens": store.num_tokens},
+        "stats": stats,
+        "versions": _versions(),
+    }
+    write_json_atomic(os.path.join(out, "manifest.json"), manifest)
+    if cfg.progress:
+        print(stats_table({"train": per_split["train"], "validation": per_split["validation"],
+                           "all": stats}))
+        print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}")
+    return manifest

@@ -1,0 +1,122 @@
+"""The plan: which documents are held out, and how each split is cut into work units.
+
+A work unit is a run of ~`tokens_per_shard` tokens of one split, cut at sentence boundaries,
+made of pieces ``(document, first_sentence, end_sentence)``.  Unit `u` of split `s` with dupe
+copy `k` is one output shard, built with its own RNG seeded by ``(seed, s, u, k)``: the output
+depends on the config only, never on `num_proc` or on which machine builds which shard, and a
+resumed run skips finished shards one by one.
+
+Validation documents are drawn by a seeded permutation of whole documents, until they hold
+`validation_fraction` of the tokens, and at least two of them (a random-next segment for a
+validation instance comes from another *validation* document).  A corpus of few large
+documents therefore gives a larger validation share than asked (two Gutenberg books of 13
+are ~15%); split such books into chapters, or set validation_fraction=0.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from data_prep.errors import PrepError
+from data_prep.token_store import TokenStore
+
+SPLITS = ("train", "validation")
+SPLIT_IDS = {"train": 0, "validation": 1}
+
+
+@dataclass
+class SplitPlan:
+    name: str
+    docs: np.ndarray          # sorted document ids of the split
+    pieces: np.ndarray        # [num_pieces, 3] int64: document, first sentence, end sentence
+    unit_off: np.ndarray      # [num_units + 1] offsets into pieces
+    dupe_factor: int
+
+    @property
+    def num_units(self) -> int:
+        return len(self.unit_off) - 1
+
+    @property
+    def num_shards(self) -> int:
+        return self.num_units * self.dupe_factor
+
+    def shard(self, index: int) -> tuple[int, int]:
+        """(unit, dupe) of a shard: shards run through all units for dupe 0, then dupe 1..."""
+        return index % self.num_units, index // self.num_units
+
+    def unit_pieces(self, unit: int) -> np.ndarray:
+        return self.pieces[self.unit_off[unit]:self.unit_off[unit + 1]]
+
+    def save(self, directory: str) -> None:
+        for key in ("docs", "pieces", "unit_off"):
+            np.save(os.path.join(directory, f"{self.name}_{key}.npy"), getattr(self, key))
+
+    @classmethod
+    def load(cls, directory: str, name: str, dupe_factor: int, mmap: bool = True) -> "SplitPlan":
+        mode = "r" if mmap else None
+        arrs = [np.load(os.path.join(directory, f"{name}_{k}.npy"), mmap_mode=mode)
+                for k in ("docs", "pieces", "unit_off")]
+        return cls(name, *arrs, dupe_factor=dupe_factor)
+
+
+def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    n = len(doc_tokens)
+    if n < 2:
+        raise PrepError(f"the corpus has {n} document: next-sentence prediction needs a random "
+                        "other document; give more documents (blank lines separate them)")
+    if fraction == 0:
+        return np.zeros(0, np.int64)
+    if n < 4:
+        raise PrepError(f"the corpus has {n} documents: a validation split needs 2 held-out "
+                        "documents and training 2 more; add documents or set "
+                        "validation_fraction=0")
+    order = np.random.default_rng(np.random.SeedSequence([seed, 7919])).permutation(n)
+    cum = np.cumsum(doc_tokens[order])
+    k = int(np.searchsorted(cum, fraction * cum[-1], side="left")) + 1
+    k = min(max(k, 2), n - 2)
+    return np.sort(order[:k])
+
+
+def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tuple:
+    """Greedy cut of the split's documents (in order) into units of ~tokens_per_unit tokens."""
+    sent_off, doc_off = store.sent_off, store.doc_off
+    pieces: list[tuple[int, int, int]] = []
+    unit_off = [0]
+    filled = 0
+    doc_first = np.asarray(doc_off[docs])
+    doc_end = np.asarray(doc_off[docs + 1])
+    for d, s0, s1 in zip(docs.tolist(), doc_first.tolist(), doc_end.tolist()):
+        while s0 < s1:
+            room = tokens_per_unit - filled
+            if int(sent_off[s1] - sent_off[s0]) <= room:
+                cut = s1
+            else:  # cut inside the document at the first sentence boundary past the room
+                cut = int(np.searchsorted(sent_off, sent_off[s0] + room, side="left"))
+                cut = min(max(cut, s0 + 1), s1)
+            pieces.append((d, s0, cut))
+            filled += int(sent_off[cut] - sent_off[s0])
+            s0 = cut
+            if filled >= tokens_per_unit:
+                unit_off.append(len(pieces))
+                filled = 0
+    if unit_off[-1] != len(pieces):
+        unit_off.append(len(pieces))
+    return (np.array(pieces, np.int64).reshape(-1, 3), np.array(unit_off, np.int64))
+
+
+def make_plan(store: TokenStore, validation_fraction: float, tokens_per_shard: int,
+              dupe_factor: int, seed: int) -> dict[str, SplitPlan]:
+    doc_tokens = store.doc_num_tokens()
+    val = choose_validation_docs(doc_tokens, validation_fraction, seed)
+    is_val = np.zeros(store.num_documents, bool)
+    is_val[val] = True
+    plans = {}
+    # Validation is masked once: a second mask of the same held-out text adds no information.
+    for name, docs, dupes in (("train", np.flatnonzero(~is_val), dupe_factor),
+                              ("validation", val, 1)):
+        docs = docs.astype(np.int64)
+        pieces, unit_off = cut_units(store, docs, tokens_per_shard)
+        plans[name] = SplitPlan(name, docs, pieces, unit_off, dupes)
+    return plans

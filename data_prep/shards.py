@@ -1,0 +1,137 @@
+"""Shard directories, their statistics, and the manifest (see docs/prepared-format.md).
+
+A shard is written into ``<split>/.tmp-shard-NNNNN-<host>-<pid>/`` and renamed to
+``<split>/shard-NNNNN/`` when every file is on disk, so an existing shard directory is always
+complete: a resumed run skips it.  Each shard also carries `stats.json` (its counts, a length
+histogram and the prep's fingerprint), from which the final step computes the manifest's
+statistics without reading the arrays again, and checks that every shard belongs to this prep.
+`manifest.json` is written last, through a temp file and an atomic rename.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+
+import numpy as np
+
+SHARD_FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions",
+               "masked_labels", "next_sentence_labels")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def shard_path(output_dir: str, split: str, index: int) -> str:
+    return os.path.join(output_dir, split, shard_name(index))
+
+
+def is_done(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "stats.json"))
+
+
+def _tmp_prefix(index: int) -> str:
+    return f".tmp-{shard_name(index)}-"
+
+
+def remove_stale_tmp(output_dir: str, split: str, indices: set[int]) -> None:
+    """Delete half-written shards left by a crash (only those this run is about to build, so
+    a host never deletes another host's shard in progress)."""
+    d = os.path.join(output_dir, split)
+    if not os.path.isdir(d):
+        return
+    for name in os.listdir(d):
+        if name.startswith(".tmp-shard-"):
+            try:
+                index = int(name[len(".tmp-shard-"):].split("-")[0])
+            except ValueError:
+                continue
+            if index in indices:
+                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
+
+
+def write_shard(path: str, index: int, arrays: dict, stats: dict) -> None:
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, _tmp_prefix(index) + f"{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name in SHARD_FILES:
+        np.save(os.path.join(tmp, name + ".npy"), arrays[name])
+    with open(os.path.join(tmp, "stats.json"), "w") as f:
+        json.dump(stats, f)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another host finished the same shard first: both are identical
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def read_stats(path: str) -> dict:
+    with open(os.path.join(path, "stats.json")) as f:
+        return json.load(f)
+
+
+def shard_stats(lengths: np.ndarray, is_random: np.ndarray, counts: dict, max_seq_length: int,
+                fingerprint: str) -> dict:
+    return {"fingerprint": fingerprint, "num_instances": int(len(lengths)),
+            "num_tokens": int(lengths.sum()), "num_random_next": int(is_random.sum()),
+            **counts,
+            "length_hist": np.bincount(lengths, minlength=max_seq_length + 1).tolist()}
+
+
+def summarize(parts: list[dict], max_seq_length: int) -> dict:
+    """The manifest's `stats` object from per-shard counts."""
+    def total(key):
+        return sum(p[key] for p in parts)
+    n = total("num_instances")
+    hist = np.zeros(max_seq_length + 1, np.int64)
+    for p in parts:
+        hist += np.asarray(p["length_hist"], np.int64)
+    predicted = total("predicted")
+
+    def frac(a, b):
+        return round(a / b, 6) if b else 0.0
+    p50 = int(np.searchsorted(np.cumsum(hist), (n + 1) // 2)) if n else 0
+    return {"num_instances": n,
+            "num_tokens": total("num_tokens"),
+            "num_predicted": predicted,
+            "masked_fraction": frac(predicted, total("num_tokens")),
+            "mask_token_fraction": frac(total("mask"), predicted),
+            "random_token_fraction": frac(total("random"), predicted),
+            "kept_fraction": frac(total("kept"), predicted),
+            "nsp_random_fraction": frac(total("num_random_next"), n),
+            "mean_seq_length": frac(total("num_tokens"), n),
+            "p50_seq_length": p50,
+            "fraction_at_max_length": frac(int(hist[max_seq_length]), n)}
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+STAT_ROWS = [("instances", "num_instances", "{:,}"), ("tokens", "num_tokens", "{:,}"),
+             ("predicted / tokens", "masked_fraction", "{:.2%}"),
+             ("  [MASK]", "mask_token_fraction", "{:.2%}"),
+             ("  random token", "random_token_fraction", "{:.2%}"),
+             ("  kept", "kept_fraction", "{:.2%}"),
+             ("NSP random-next", "nsp_random_fraction", "{:.2%}"),
+             ("mean length", "mean_seq_length", "{:.1f}"),
+             ("median length", "p50_seq_length", "{}"),
+             ("at max length", "fraction_at_max_length", "{:.2%}")]
+
+
+def stats_table(columns: dict[str, dict]) -> str:
+    names = list(columns)
+    width = max(len(r[0]) for r in STAT_ROWS)
+    lines = [" " * width + "".join(f"{n:>14}" for n in names)]
+    for label, key, fmt in STAT_ROWS:
+        lines.append(f"{label:<{width}}" + "".join(
+            f"{fmt.format(columns[n].get(key, 0)):>14}" for n in names))
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""The tokenized corpus on disk: flat token ids plus sentence and document offsets.
+
+The corpus is tokenized once, streaming, in large `encode_batch_fast` calls (the Rust side runs
+them on all threads), and appended to three flat files under ``<output_dir>/.work/tokens/``:
+
+  tokens.bin     all token ids, sentence after sentence (uint16 or int32)
+  sent_off.bin   int64 [num_sentences + 1]: token offset of each sentence
+  doc_off.bin    int64 [num_documents + 1]: sentence offset of each document
+
+Instance creation reads them through `np.memmap`, so memory does not grow with the corpus and
+`dupe_factor` copies reuse one tokenization.  The directory is written as ``tokens.tmp`` and
+renamed when complete: a crash mid-way leaves nothing that looks finished.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from data_prep.errors import PrepError
+
+
+@dataclass
+class TokenStore:
+    tokens: np.ndarray      # [num_tokens]
+    sent_off: np.ndarray    # [num_sentences + 1] int64
+    doc_off: np.ndarray     # [num_documents + 1] int64
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.doc_off) - 1
+
+    @property
+    def num_sentences(self) -> int:
+        return len(self.sent_off) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def doc_num_tokens(self) -> np.ndarray:
+        return np.diff(self.sent_off[self.doc_off])
+
+    @classmethod
+    def open(cls, directory: str) -> "TokenStore":
+        with open(os.path.join(directory, "meta.json")) as f:
+            meta = json.load(f)
+
+        def mm(name, dtype, n):
+            if n == 0:
+                return np.zeros(0, dtype)
+            return np.memmap(os.path.join(directory, name), dtype=dtype, mode="r", shape=(n,))
+        return cls(mm("tokens.bin", meta["dtype"], meta["num_tokens"]),
+                   mm("sent_off.bin", np.int64, meta["num_sentences"] + 1),
+                   mm("doc_off.bin", np.int64, meta["num_documents"] + 1))
+
+
+def is_complete(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "meta.json"))
+
+
+def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory: str,
+                    dtype: str, batch_size: int, progress: bool = True) -> TokenStore:
+    """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
+    from tqdm import tqdm
+    tmp = directory + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    ftok = open(os.path.join(tmp, "tokens.bin"), "wb")
+    fsent = open(os.path.join(tmp, "sent_off.bin"), "wb")
+    fdoc = open(os.path.join(tmp, "doc_off.bin"), "wb")
+    np.zeros(1, np.int64).tofile(fsent)
+    state = {"tokens": 0, "sentences": 0, "documents": 0, "pending_start": False}
+    bar = tqdm(desc="tokenize", unit=" sent", disable=not progress, mininterval=0.5)
+
+    def flush(texts: list[str], flags: list[bool]) -> None:
+        encs = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+        lens = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
+        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype,
+                          count=int(lens.sum()))
+        keep = np.flatnonzero(lens)
+        # A sentence that tokenizes to nothing is dropped; if it started a document, the next
+        # kept sentence starts it instead (so documents are never lost or merged).
+        c = np.cumsum(np.asarray(flags, np.int64))
+        if len(keep):
+            before = np.concatenate([[0], c[keep[:-1]]])
+            starts = (c[keep] - before) > 0
+            starts[0] |= state["pending_start"]
+            state["pending_start"] = bool(c[-1] - c[keep[-1]] > 0)
+            doc_starts = state["sentences"] + np.flatnonzero(starts)
+            doc_starts.astype(np.int64).tofile(fdoc)
+            state["documents"] += len(doc_starts)
+            ids.tofile(ftok)
+            (state["tokens"] + np.cumsum(lens[keep])).astype(np.int64).tofile(fsent)
+            state["tokens"] += int(lens.sum())
+            state["sentences"] += len(keep)
+        else:
+            state["pending_start"] = state["pending_start"] or bool(c[-1] > 0)
+        bar.update(len(texts))
+
+    texts: list[str] = []
+    flags: list[bool] = []
+    try:
+        for flag, text in sentences:
+            texts.append(text)
+            flags.append(flag)
+            if len(texts) >= batch_size:
+                flush(texts, flags)
+                texts, flags = [], []
+        if texts:
+            flush(texts, flags)
+    finally:
+        bar.close()
+    np.array([state["sentences"]], np.int64).tofile(fdoc)
+    for f in (ftok, fsent, fdoc):
+        f.close()
+    if state["tokens"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PrepError("the corpus holds no text (no sentence produced a token): check "
+                        "corpus.paths / the dataset and its text column")
+    meta = {"dtype": dtype, "num_tokens": state["tokens"], "num_sentences": state["sentences"],
+            "num_documents": state["documents"]}
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.rename(tmp, directory)
+    return TokenStore.open(directory)
