@@ -208,8 +208,7 @@ class Masker:
     Per sequence: predict round(length * prob) positions (at least 1, at most the prep's
     max_predictions_per_seq) among non-special tokens; of those, 80% become [MASK], 10% a random
     token, 10% stay.  With whole-word masking all pieces of a word are chosen together (words in
-    random order while the budget allows; unlike Google's loop it does not try smaller words after
-    the first that overflows).
+    random order, each taken whole while it fits the budget, as Google's create_pretraining_data).
     """
 
     def __init__(self, data: PreparedData, seed: int, masked_lm_prob: Optional[float]):
@@ -257,25 +256,30 @@ class Masker:
         return out, labels
 
     def _choose_words(self, ids, candidate, num_predict, e, i, pos):
+        """Google's rule: words in random order, each taken whole if it still fits the budget
+        (a word that does not fit is skipped, later shorter ones may still fit).  The loop runs
+        over word ranks, vectorised over the batch."""
         b, seq = ids.shape
-        is_start = ~self.continuation[ids] | ~candidate
-        start = np.maximum.accumulate(np.where(is_start, pos, 0), axis=1)
-        score = np.where(candidate, hash_uniform(self.seed, 1, e, i, start), np.inf)
-        # Sort by (word score, position): each word's pieces are contiguous in the order.
-        order = np.lexsort((np.broadcast_to(pos, (b, seq)), score), axis=1)
-        sorted_cand = np.take_along_axis(candidate, order, axis=1)
-        cum = np.cumsum(sorted_cand, axis=1)
-        word_key = np.take_along_axis(start, order, axis=1)
-        # Tokens left in the word after this one (pieces are contiguous positions).
-        flat_word = (np.arange(b)[:, None] * seq + start).ravel()
-        word_len = np.bincount(flat_word, weights=candidate.ravel(), minlength=b * seq)
-        sorted_len = word_len[(np.arange(b)[:, None] * seq + word_key)]
-        within = np.take_along_axis(pos - start, order, axis=1)
-        end_cum = cum + (sorted_len - within - 1)
-        take_sorted = sorted_cand & (end_cum <= num_predict[:, None])
-        chosen = np.zeros_like(candidate)
-        np.put_along_axis(chosen, order, take_sorted, axis=1)
-        return chosen
+        is_start = candidate & ~(self.continuation[ids] & np.roll(candidate, 1, axis=1))
+        start = np.maximum.accumulate(np.where(is_start | ~candidate, pos, 0), axis=1)
+        rows = np.arange(b)[:, None]
+        word_len = np.zeros((b, seq), dtype=np.int64)
+        np.add.at(word_len, (np.broadcast_to(rows, (b, seq))[candidate], start[candidate]), 1)
+        score = np.where(is_start, hash_uniform(self.seed, 1, e, i, pos), np.inf)
+        order = np.argsort(score, axis=1, kind="stable")
+        sorted_len = np.take_along_axis(np.where(is_start, word_len, 0), order, axis=1)
+        taken = np.zeros((b, seq), dtype=bool)
+        count = np.zeros(b, dtype=np.int64)
+        for k in range(seq):
+            length = sorted_len[:, k]
+            if not length.any():
+                break
+            fits = (length > 0) & (count + length <= num_predict)
+            count += np.where(fits, length, 0)
+            taken[:, k] = fits
+        chosen_start = np.zeros((b, seq), dtype=bool)
+        np.put_along_axis(chosen_start, order, taken, axis=1)
+        return candidate & np.take_along_axis(chosen_start, start, axis=1)
 
 
 def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:

@@ -90,3 +90,27 @@ def run_bert_train(args, cwd, env=None, timeout=600):
 def read_metrics(run_dir: str) -> list:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def compose(overrides):
+    """The composed bert-train config (Hydra's compose API: same files, same schema)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from bert_pretrain.config import register
+
+    register()
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+        return hydra_compose(config_name="train", overrides=list(overrides))
+
+
+def train_in_process(overrides) -> float:
+    """Run training in this process (faster than a subprocess; same code path after Hydra)."""
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import settings
+    from bert_pretrain.trainer import train
+
+    cfg = compose(overrides)
+    return train(settings(cfg), OmegaConf.to_container(cfg, resolve=True),
+                 OmegaConf.to_yaml(cfg, resolve=True))

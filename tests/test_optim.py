@@ -1,0 +1,110 @@
+"""Optimizers and schedules against their formulas."""
+
+import math
+
+import pytest
+import torch
+
+from bert_pretrain.optim import (Lamb, OptimConfig, Schedule, SchedulerConfig, build_optimizer,
+                                 param_groups)
+
+
+def lamb_reference(params, grads_per_step, lr, b1, b2, eps, wd, adapt):
+    """LAMB written directly from You et al. (2019), Algorithm 2, one tensor at a time, float64."""
+    w = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(x) for x in w]
+    v = [torch.zeros_like(x) for x in w]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            m_hat = m[i] / (1 - b1 ** t)
+            v_hat = v[i] / (1 - b2 ** t)
+            r = m_hat / (v_hat.sqrt() + eps)
+            u = r + wd * w[i]
+            wn, un = w[i].norm().item(), u.norm().item()
+            ratio = wn / un if (adapt[i] and wn > 0 and un > 0) else 1.0
+            w[i] = w[i] - lr * ratio * u
+    return w
+
+
+def test_lamb_matches_the_paper_formula():
+    torch.manual_seed(0)
+    init = [torch.randn(5, 4), torch.randn(5), torch.zeros(3, 3)]  # zeros: ||w|| = 0 -> ratio 1
+    weight, bias, zero = params = [torch.nn.Parameter(t.clone()) for t in init]
+    lr, b1, b2, eps, wd = 0.05, 0.9, 0.99, 1e-6, 0.1
+    opt = Lamb([{"params": [weight, zero], "weight_decay": wd},
+                {"params": [bias], "weight_decay": 0.0, "exclude_from_layer_adaptation": True}],
+               lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    steps = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    # weight decay and adaptation differ per group: run the reference once per setting
+    ref_weight, _, ref_zero = lamb_reference(init, steps, lr, b1, b2, eps, wd, [True] * 3)
+    _, ref_bias, _ = lamb_reference(init, steps, lr, b1, b2, eps, 0.0, [True, False, True])
+    torch.testing.assert_close(weight.detach().double(), ref_weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(bias.detach().double(), ref_bias, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(zero.detach().double(), ref_zero, rtol=1e-5, atol=1e-6)
+    # The trust ratio matters: without it the weight would have moved differently.
+    ref_no_adapt, _, _ = lamb_reference(init, steps, lr, b1, b2, eps, wd, [False] * 3)
+    assert not torch.allclose(weight.detach().double(), ref_no_adapt, atol=1e-3)
+
+
+def test_param_groups_exclude_bias_and_layernorm_from_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4),
+                                torch.nn.Embedding(10, 4))
+    groups = param_groups(model.named_parameters(), 0.01)
+    decay = {id(p) for p in groups[0]["params"]}
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert decay == {id(model[0].weight), id(model[2].weight)}
+    assert no_decay == {id(model[0].bias), id(model[1].weight), id(model[1].bias)}
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+
+
+def test_adamw_is_fused_on_cpu_and_lamb_is_built():
+    model = torch.nn.Linear(4, 4)
+    adamw = build_optimizer(OptimConfig(name="adamw"), model.named_parameters())
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] is True
+    lamb = build_optimizer(OptimConfig(name="lamb", lr=1e-2), model.named_parameters())
+    assert isinstance(lamb, Lamb)
+
+
+def test_optim_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="optim.name"):
+        OptimConfig(name="sgd")
+    with pytest.raises(ValueError, match="optim.lr"):
+        OptimConfig(lr=-1.0)
+
+
+def test_linear_warmup_then_linear_decay():
+    s = Schedule(SchedulerConfig(name="linear"), max_steps=110, warmup_steps=10)
+    assert [s.factor(i) for i in range(3)] == [0.1, 0.2, 0.3]
+    assert s.factor(9) == 1.0 and s.factor(10) == 1.0
+    assert s.factor(60) == pytest.approx(0.5)
+    assert s.factor(110) == 0.0
+    s2 = Schedule(SchedulerConfig(name="linear", end_lr_ratio=0.1), 110, 10)
+    assert s2.factor(60) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_polynomial_and_constant():
+    s = Schedule(SchedulerConfig(name="polynomial", power=0.5), max_steps=100, warmup_steps=0)
+    for step in (0, 25, 50, 99):
+        assert s.factor(step) == pytest.approx(math.sqrt(1 - step / 100))
+    c = Schedule(SchedulerConfig(name="constant"), max_steps=100, warmup_steps=4)
+    assert [c.factor(i) for i in (0, 3, 4, 99)] == [0.25, 1.0, 1.0, 1.0]
+
+
+def test_budget_mode_follows_elapsed_time_and_restores_state():
+    cfg = SchedulerConfig(name="linear")
+    s = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
+    assert s.factor(0, elapsed=0.0) == 0.5
+    assert s.factor(1, elapsed=5.0) == 1.0
+    assert s.factor(2, elapsed=10.0) == 1.0            # warmup ended at t = 10 s
+    assert s.factor(50, elapsed=55.0) == pytest.approx(0.5)  # (55 - 10) / (100 - 10)
+    assert s.factor(51, elapsed=100.0) == 0.0
+    resumed = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.factor(50, elapsed=55.0) == s.factor(50, elapsed=55.0)
