@@ -378,6 +378,12 @@ def summarize(sweep_dir: str | os.PathLike, metric: str = "eval_mlm_loss", mode:
 # --------------------------------------------------------------------------- Hydra callback
 
 
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
 def _first_line(exc: BaseException) -> str:
     msg = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {msg[0]}" if msg else type(exc).__name__
@@ -394,22 +400,42 @@ class SweepSummaryCallback(Callback):
         self.metric = metric
         self.mode = mode
         self._job_start: float | None = None
+        self._job: dict[str, Any] | None = None
+        self._exit_hook = False
         self._pending: tuple[str, str] | None = None
 
     # ---- in the process that runs a job (the sweep process, a joblib worker or a SLURM node)
+    @staticmethod
+    def _is_multirun(config: DictConfig) -> bool:
+        mode = OmegaConf.select(config, "hydra.mode")
+        return getattr(mode, "name", str(mode)) == "MULTIRUN"
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not self._is_multirun(config):
+            return
         self._job_start = time.time()
+        # "running" until on_job_end: a trial killed by SLURM or by a SystemExit in the task
+        # (Hydra catches only Exception) is then visible as such in the summary.
+        self._job = {
+            "dir": str(config.hydra.runtime.output_dir),
+            "job_num": OmegaConf.select(config, "hydra.job.num"),
+            "overrides": list(OmegaConf.select(config, "hydra.overrides.task") or []),
+        }
+        _write_json(Path(self._job["dir"]) / TRIAL_FILE,
+                    {"job_num": self._job["job_num"], "overrides": self._job["overrides"],
+                     "status": "running"})
+        if not self._exit_hook:
+            atexit.register(self._job_exited)
+            self._exit_hook = True
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
-        mode = OmegaConf.select(config, "hydra.mode")
-        if getattr(mode, "name", str(mode)) != "MULTIRUN":
+        if not self._is_multirun(config) or self._job is None:
             return
         from hydra.core.utils import JobStatus
 
-        out_dir = Path(config.hydra.runtime.output_dir)
         info: dict[str, Any] = {
-            "job_num": OmegaConf.select(config, "hydra.job.num"),
-            "overrides": list(job_return.overrides or []),
+            "job_num": self._job["job_num"],
+            "overrides": list(job_return.overrides or self._job["overrides"]),
             "duration_s": None if self._job_start is None else time.time() - self._job_start,
         }
         if job_return.status == JobStatus.COMPLETED:
@@ -424,9 +450,24 @@ class SweepSummaryCallback(Callback):
             info["run_dir"] = None if run_dir is None else str(Path(run_dir).resolve())
         except Exception:
             info["run_dir"] = None
-        tmp = out_dir / (TRIAL_FILE + ".tmp")
-        tmp.write_text(json.dumps(info, indent=1))
-        os.replace(tmp, out_dir / TRIAL_FILE)
+        _write_json(Path(self._job["dir"]) / TRIAL_FILE, info)
+        self._job = None
+
+    def _job_exited(self) -> None:
+        """atexit: the process ends while a job is still running in it."""
+        if self._job is None:
+            return
+        job_dir = Path(self._job["dir"])
+        info = {"job_num": self._job["job_num"], "overrides": self._job["overrides"],
+                "status": "failed",
+                "error": "the process exited during the job (sys.exit or a signal); see its "
+                         "output or log",
+                "duration_s": None if self._job_start is None else time.time() - self._job_start}
+        self._job = None
+        try:
+            _write_json(job_dir / TRIAL_FILE, info)
+        except OSError:
+            pass
 
     # ---- in the sweep process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
