@@ -254,8 +254,8 @@ def _write_manifest(cfg, out, key, fingerprint, tok, store, plans) -> dict:
         "versions": _versions(),
     }
     write_json_atomic(os.path.join(out, "manifest.json"), manifest)
-    if cfg.progress:
-        print(stats_table({"train": per_split["train"], "validation": per_split["validation"],
-                           "all": stats}))
-        print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}")
+    # The statistics table is the run's report: always printed.
+    print(stats_table({"train": per_split["train"], "validation": per_split["validation"],
+                       "all": stats}))
+    print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}")
     return manifest

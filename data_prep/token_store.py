@@ -1,7 +1,8 @@
 """The tokenized corpus on disk: flat token ids plus sentence and document offsets.
 
-The corpus is tokenized once, streaming, in large `encode_batch_fast` calls (the Rust side runs
-them on all threads), and appended to three flat files under ``<output_dir>/.work/tokens/``:
+The corpus is tokenized once, streaming, in large batches (`encoder.py`: each distinct word
+chunk is encoded once, by the Rust tokenizer on all threads), and appended to three flat files
+under ``<output_dir>/.work/tokens/``:
 
   tokens.bin     all token ids, sentence after sentence (uint16 or int32)
   sent_off.bin   int64 [num_sentences + 1]: token offset of each sentence
@@ -13,7 +14,6 @@ renamed when complete: a crash mid-way leaves nothing that looks finished.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -68,6 +68,9 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
                     dtype: str, batch_size: int, progress: bool = True) -> TokenStore:
     """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
     from tqdm import tqdm
+
+    from data_prep.encoder import CorpusEncoder
+    encoder = CorpusEncoder(tokenizer, dtype)
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -79,10 +82,7 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     bar = tqdm(desc="tokenize", unit=" sent", disable=not progress, mininterval=0.5)
 
     def flush(texts: list[str], flags: list[bool]) -> None:
-        encs = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        lens = np.fromiter((len(e.ids) for e in encs), np.int64, count=len(encs))
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype,
-                          count=int(lens.sum()))
+        ids, lens = encoder.encode(texts)
         keep = np.flatnonzero(lens)
         # A sentence that tokenizes to nothing is dropped; if it started a document, the next
         # kept sentence starts it instead (so documents are never lost or merged).

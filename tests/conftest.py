@@ -1,0 +1,70 @@
+"""Shared fixtures.  Data-prep fixtures are prefixed `prep_`."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+GUTENBERG = "/work/shared/corpora/gutenberg.txt"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def prep_compose():
+    """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep.yaml."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from data_prep.config import PrepConfig
+
+    def make(*overrides: str) -> PrepConfig:
+        with initialize_config_dir(os.path.join(REPO, "conf"), version_base="1.3"):
+            cfg = compose("prep", overrides=["progress=false", *overrides])
+        return PrepConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    return make
+
+
+@pytest.fixture(scope="session")
+def prep_gutenberg_vocab(tmp_path_factory):
+    """A WordPiece vocab (8k) trained on the Gutenberg corpus: the tokenizer/ dir."""
+    if not os.path.exists(GUTENBERG):
+        pytest.skip(f"{GUTENBERG} not available")
+    from data_prep.config import TextCorpusConfig, TokenizerConfig
+    from data_prep.pipeline import _sentence_batches
+    from data_prep.tokenizer import prepare_tokenizer
+    d = tmp_path_factory.mktemp("prep_vocab") / "tokenizer"
+    prepare_tokenizer(TokenizerConfig(vocab_size=8000),
+                      lambda: _sentence_batches(TextCorpusConfig(paths=[GUTENBERG])), str(d),
+                      progress=False)
+    return str(d)
+
+
+def _tagged_corpus(path, num_docs=40, seed=0):
+    """Documents whose every other token names the document (d<i>) and the others the
+    sentence (k<j>), so an instance tells which document and sentence each segment is from.
+    Lengths mix short sentences, sentences longer than max_seq_length=64, and documents of one
+    or two sentences, to exercise truncation and single-sentence chunks."""
+    rng = random.Random(seed)
+    docs = []
+    for d in range(num_docs):
+        n_sent = rng.choice([1, 2, rng.randint(3, 40)])
+        doc = []
+        for k in range(n_sent):
+            n = rng.choice([rng.randint(1, 12), rng.randint(10, 40), rng.randint(60, 150)])
+            doc.append(" ".join(f"d{d}" if j % 2 else f"k{k}" for j in range(n)))
+        docs.append("\n".join(doc))
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="session")
+def prep_tagged(tmp_path_factory):
+    """(corpus path, vocab.txt path) of the tagged synthetic corpus."""
+    d = tmp_path_factory.mktemp("prep_tagged")
+    corpus = d / "tagged.txt"
+    _tagged_corpus(corpus)
+    vocab = d / "vocab.txt"
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokens += [f"d{i}" for i in range(40)] + [f"k{i}" for i in range(40)]
+    vocab.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    return str(corpus), str(vocab)

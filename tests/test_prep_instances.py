@@ -1,0 +1,121 @@
+"""Instance structure on a tagged synthetic corpus: every token names its document and sentence,
+so we can check NSP labels, random-document choice, contiguity and truncation exactly."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prep_arrays import load_manifest, load_split, unmasked
+
+from data_prep.instances import create_instances, truncate_pairs
+from data_prep.pipeline import run
+
+
+@pytest.fixture(scope="module")
+def tagged_prep(prep_compose, prep_tagged, tmp_path_factory):
+    corpus, vocab = prep_tagged
+    out = str(tmp_path_factory.mktemp("prep_inst") / "out")
+    run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={out}",
+                     f"tokenizer.vocab_file={vocab}", "max_seq_length=64", "dupe_factor=30",
+                     "validation_fraction=0.1", "num_proc=1", "max_predictions_per_seq=10"))
+    return out
+
+
+def _decode(out, split):
+    m = load_manifest(out)
+    vocab = open(f"{out}/tokenizer/vocab.txt", encoding="utf-8").read().split("\n")
+    a = load_split(out, split)
+    ids = unmasked(a)
+    rows = []
+    for i in range(len(ids)):
+        L, A = int(a["lengths"][i]), int(a["segment_a_lengths"][i])
+        seg_a = [vocab[t] for t in ids[i, 1:A - 1]]
+        seg_b = [vocab[t] for t in ids[i, A:L - 1]]
+        rows.append((seg_a, seg_b, int(a["next_sentence_labels"][i])))
+    return m, rows
+
+
+def _docs(seg):
+    return {t for t in seg if t.startswith("d")}
+
+
+def _sents(seg):
+    return sorted({int(t[1:]) for t in seg if t.startswith("k")})
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_nsp_labels_match_documents(tagged_prep, split):
+    m, rows = _decode(tagged_prep, split)
+    assert rows
+    n_checked = 0
+    for seg_a, seg_b, label in rows:
+        assert seg_a and seg_b and len(seg_a) + len(seg_b) <= 61
+        da, db = _docs(seg_a), _docs(seg_b)
+        if not da or not db:
+            continue   # a one-token segment may hold only its sentence tag
+        assert len(da) == 1 and len(db) == 1
+        if label == 1:
+            assert da != db, "random next came from the same document"
+        else:
+            assert da == db
+            sa, sb = _sents(seg_a), _sents(seg_b)
+            if sa and sb:
+                assert max(sa) < min(sb), "actual next does not follow segment A"
+        n_checked += 1
+    assert n_checked > 0.9 * len(rows)
+
+
+def test_nsp_balanced_despite_single_sentence_chunks(tagged_prep):
+    # A third of the sentences are longer than max_seq_length: Google's code makes all those
+    # chunks random-next; ours stays at 50%.
+    _, rows = _decode(tagged_prep, "train")
+    labels = np.array([r[2] for r in rows])
+    assert len(labels) > 3000
+    assert labels.mean() == pytest.approx(0.5, abs=0.025)
+
+
+def test_validation_documents_are_not_in_train(tagged_prep):
+    _, train = _decode(tagged_prep, "train")
+    _, val = _decode(tagged_prep, "validation")
+    docs = lambda rows: set().union(*(_docs(a) | _docs(b) for a, b, _ in rows))  # noqa: E731
+    assert docs(val) and not docs(val) & docs(train)
+
+
+def test_truncate_pairs_matches_googles_loop():
+    rng = np.random.default_rng(0)
+    la = rng.integers(1, 200, 2000)
+    lb = rng.integers(1, 200, 2000)
+    starts = np.zeros(2000, np.int64)
+    a0, an, b0, bn = truncate_pairs(starts, la, starts + 1000, lb, 61, rng)
+    for i in range(2000):
+        x, y = int(la[i]), int(lb[i])
+        while x + y > 61:            # Google's truncate_seq_pair, lengths only
+            if x > y:
+                x -= 1
+            else:
+                y -= 1
+        assert (an[i], bn[i]) == (x, y)
+        assert 0 <= a0[i] <= la[i] - x and 1000 <= b0[i] <= 1000 + lb[i] - y
+    # Front and back trims are equally likely.
+    front = (a0 - starts).sum() + (b0 - 1000).sum()
+    cut = (la - an).sum() + (lb - bn).sum()
+    assert front / cut == pytest.approx(0.5, abs=0.02)
+
+
+def test_create_instances_never_picks_own_document():
+    # 3 documents of 5 sentences of 10 tokens: random next must come from one of the 2 others.
+    sent_off = np.arange(0, 151, 10, dtype=np.int64)
+    doc_off = np.array([0, 5, 10, 15], np.int64)
+    docs = np.arange(3)
+    pieces = np.array([[d, 5 * d, 5 * d + 5] for d in range(3)], np.int64)
+    seen = 0
+    for seed in range(200):
+        seg = create_instances(pieces, sent_off, doc_off, docs, 32, 0.1, 0.5,
+                               np.random.default_rng(seed))
+        r = seg.is_random_next
+        assert (seg.b_doc[r] != seg.doc[r]).all()
+        assert (seg.b_doc[~r] == seg.doc[~r]).all()
+        assert (seg.b_start[r] // 50 == seg.b_doc[r]).all()
+        assert (seg.a_len >= 1).all() and (seg.b_len >= 1).all()
+        assert (seg.a_len + seg.b_len <= 29).all()
+        seen += r.sum()
+    assert seen > 100
