@@ -16,6 +16,7 @@ Design, and why:
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -159,15 +160,18 @@ class PreparedData:
             self._split_cache[name] = split
         return self._split_cache[name]
 
-    def continuation_ids(self) -> np.ndarray:
-        """Boolean [vocab] table: True for WordPiece continuation pieces ('##...')."""
+    def vocab(self) -> list:
+        """The tokenizer's vocabulary (token strings by id) from tokenizer/vocab.txt."""
         vocab_file = os.path.join(self.tokenizer_dir, "vocab.txt")
-        table = np.zeros(self.vocab_size, dtype=bool)
-        with open(vocab_file, encoding="utf-8") as f:
-            for i, line in enumerate(f):
-                if i < self.vocab_size and line.startswith("##"):
-                    table[i] = True
-        return table
+        try:
+            with open(vocab_file, encoding="utf-8") as f:
+                vocab = [line.rstrip("\n") for line in f]
+        except OSError as exc:
+            raise DataError(f"cannot read {vocab_file} ({exc}); re-run bert-prep") from None
+        if len(vocab) < self.vocab_size:
+            raise DataError(f"{vocab_file} has {len(vocab)} tokens but manifest.json says "
+                            f"vocab_size={self.vocab_size}; re-run bert-prep")
+        return vocab[:self.vocab_size]
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,26 +207,27 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
 
 
 class Masker:
-    """Dynamic MLM masking with BERT's rules, vectorised over a batch.
+    """Dynamic MLM masking with the rules bert-prep uses (data_prep/masking.py), vectorised over a
+    batch, with counter-based randomness instead of a sequential RNG.
 
-    Per sequence: predict round(length * prob) positions (at least 1, at most the prep's
-    max_predictions_per_seq) among non-special tokens; of those, 80% become [MASK], 10% a random
-    token, 10% stay.  With whole-word masking all pieces of a word are chosen together (words in
-    random order, each taken whole while it fits the budget, as Google's create_pretraining_data).
+    Per sequence: predict min(max_predictions, max(1, rint(length * prob))) tokens (length counts
+    [CLS]/[SEP], as Google) among non-special tokens ([CLS] [SEP] [PAD] [MASK] [UNK] and bracketed
+    placeholders like [unused0] are never predicted); of those, 80% become [MASK], 10% a random
+    non-special token, 10% stay.  With whole-word masking, words (a token and its '##' pieces) are
+    taken whole in random order while they fit the budget, and the 80/10/10 choice is per word.
     """
 
     def __init__(self, data: PreparedData, seed: int, masked_lm_prob: Optional[float]):
         self.seed = seed
         self.prob = masked_lm_prob or float(data.masking.get("masked_lm_prob", 0.15))
         self.max_predictions = data.max_predictions
-        self.special = data.special
-        self.vocab_size = data.vocab_size
+        self.mask_id = data.special["mask"]
+        vocab = data.vocab()
+        self.special = np.array([bool(re.fullmatch(r"\[[^\[\]\s]+\]", t)) for t in vocab])
+        self.special[list(data.special.values())] = True
         self.whole_word = bool(data.masking.get("whole_word_mask", False))
-        self.continuation = data.continuation_ids() if self.whole_word else None
-        special_ids = sorted(set(self.special.values()))
-        # Random replacements are drawn from the non-special ids (a [PAD] or [CLS] inside a
-        # sentence is not a plausible corruption).
-        self.random_pool = np.setdiff1d(np.arange(self.vocab_size), special_ids)
+        self.continuation = np.array([t.startswith("##") for t in vocab])
+        self.random_pool = np.nonzero(~self.special)[0]
 
     def __call__(self, ids: np.ndarray, lengths: np.ndarray, epoch: np.ndarray,
                  index: np.ndarray):
@@ -230,27 +235,26 @@ class Masker:
         b, seq = ids.shape
         pos = np.arange(seq)[None, :]
         e, i = epoch[:, None], index[:, None]
-        candidate = (pos < lengths[:, None]) & (ids != self.special["cls"]) \
-            & (ids != self.special["sep"]) & (ids != self.special["pad"])
-        num_predict = np.minimum(
-            self.max_predictions,
-            np.maximum(1, np.floor(lengths * self.prob + 0.5).astype(np.int64)),
-        )
+        candidate = (pos < lengths[:, None]) & ~self.special[ids]
+        num_predict = np.minimum(self.max_predictions,
+                                 np.maximum(1, np.rint(lengths * self.prob))).astype(np.int64)
+        num_predict = np.minimum(num_predict, candidate.sum(1))
+        decide_at = np.broadcast_to(pos, (b, seq))
         if self.whole_word:
-            chosen = self._choose_words(ids, candidate, num_predict, e, i, pos)
+            chosen, decide_at = self._choose_words(ids, candidate, num_predict, e, i, pos)
         else:
             score = hash_uniform(self.seed, 1, e, i, pos)
             score = np.where(candidate, score, np.inf)
-            rank = np.empty_like(pos, shape=(b, seq))
+            rank = np.empty((b, seq), dtype=np.int64)
             np.put_along_axis(rank, np.argsort(score, axis=1, kind="stable"),
                               np.broadcast_to(pos, (b, seq)), axis=1)
             chosen = candidate & (rank < num_predict[:, None])
-        action = hash_uniform(self.seed, 2, e, i, pos)
+        action = hash_uniform(self.seed, 2, e, i, decide_at)
         pick = hash_uniform(self.seed, 3, e, i, pos)
         replacement = self.random_pool[(pick * len(self.random_pool)).astype(np.int64)]
         out = ids.copy()
-        out[chosen & (action < 0.8)] = self.special["mask"]
-        rand = chosen & (action >= 0.8) & (action < 0.9)
+        out[chosen & (action < 0.8)] = self.mask_id
+        rand = chosen & (action >= 0.9)
         out[rand] = replacement[rand]
         labels = np.where(chosen, ids, IGNORE_INDEX)
         return out, labels
@@ -279,7 +283,7 @@ class Masker:
             taken[:, k] = fits
         chosen_start = np.zeros((b, seq), dtype=bool)
         np.put_along_axis(chosen_start, order, taken, axis=1)
-        return candidate & np.take_along_axis(chosen_start, start, axis=1)
+        return candidate & np.take_along_axis(chosen_start, start, axis=1), start
 
 
 def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:

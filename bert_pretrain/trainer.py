@@ -317,8 +317,9 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             nonfinite = 0
-            window[:3] += losses
-            window[3] += 1
+            if torch.isfinite(losses[0]):  # (fp16: the scaler skipped this step's update)
+                window[:3] += losses
+                window[3] += 1
         step += 1
         tokens_seen += int(local[3].item())
         window_tokens += int(local[3].item())
@@ -333,17 +334,20 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
                       "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
                       "tokens_seen": tokens_seen, "epoch": round(stream.epoch, 4),
                       "elapsed_s": round(elapsed, 2)}
-            if window[3].item() == 0:
-                record.update(loss=float("nan"), mlm_loss=float("nan"), nsp_loss=float("nan"))
+            if window[3].item() == 0:  # every step of the window was skipped (non-finite)
+                record.update(loss=None, mlm_loss=None, nsp_loss=None)
+            if nonfinite:
+                record["nonfinite_steps"] = nonfinite
             metrics.log(record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}",
+            bar.set_postfix(loss="skipped" if record["loss"] is None else f"{record['loss']:.3f}",
+                            lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
             window.zero_()
             window_tokens, window_start = 0, time.perf_counter()
         pause = time.perf_counter()  # evaluation and saving do not eat the training budget
         if tc.eval_every and step % tc.eval_every == 0:
             last_eval = (step, run_eval())
-        if step % tc.checkpoint_every == 0:
+        if step % tc.checkpoint_every == 0 and nonfinite == 0:  # never save a suspect state
             save()
             last_saved = step
         clock += time.perf_counter() - pause
