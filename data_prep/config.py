@@ -73,6 +73,7 @@ class HFCorpusConfig:
     streaming: bool = False
     data_files: Any = None            # for builders like "parquet": a path, glob or list
     revision: Optional[str] = None
+    cache_dir: Optional[str] = None   # where `datasets` caches (default: ~/.cache/huggingface)
     max_documents: Optional[int] = None   # take only the first N rows (quick trials)
     # How a row's text becomes sentences: "blingfire" (paragraph text) or "lines" (already one
     # sentence per line).

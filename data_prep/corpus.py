@@ -158,7 +158,7 @@ def _load_hf(cfg: HFCorpusConfig):
         else:
             ds = datasets.load_dataset(name, cfg.config, split=cfg.split,
                                        streaming=cfg.streaming, data_files=cfg.data_files,
-                                       revision=cfg.revision)
+                                       revision=cfg.revision, cache_dir=cfg.cache_dir)
     except PrepError:
         raise
     except Exception as e:  # datasets raises many types; all mean "cannot load what you named"

@@ -62,14 +62,22 @@ def _prepare_output_dir(cfg: PrepConfig, out: str, key: str) -> Optional[dict]:
                         old_key = json.load(f).get("key")
                     break
             if old_key != key:
-                raise PrepError(f"output_dir={cfg.output_dir!r} holds a prep with other "
-                                "settings or input: choose another output_dir, or add "
-                                "overwrite=true to replace it")
-            if os.path.exists(manifest):
+                if os.path.exists(manifest) or _any_shard(out):
+                    raise PrepError(f"output_dir={cfg.output_dir!r} holds a prep with other "
+                                    "settings or input: choose another output_dir, or add "
+                                    "overwrite=true to replace it")
+                # An earlier attempt that stopped before any shard: nothing worth keeping.
+                shutil.rmtree(out)
+            elif os.path.exists(manifest):
                 with open(manifest) as f:
                     return json.load(f)
     os.makedirs(os.path.join(out, ".work"), exist_ok=True)
     return None
+
+
+def _any_shard(out: str) -> bool:
+    return any(os.path.isdir(os.path.join(out, s)) and any(
+        n.startswith("shard-") for n in os.listdir(os.path.join(out, s))) for s in SPLITS)
 
 
 # ---- per-shard work (runs in worker processes) ---------------------------------------------
@@ -142,6 +150,16 @@ def run(cfg: PrepConfig) -> Optional[dict]:
     """Prepare `cfg.output_dir`.  Returns the manifest, or None when this host's part is done
     but other hosts' shards are still missing."""
     out = os.path.abspath(os.path.expanduser(cfg.output_dir))
+    created = not os.path.exists(out)
+    try:
+        return _run(cfg, out)
+    except PrepError:
+        if created:   # a bad input found on the first run leaves nothing behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     work = os.path.join(out, ".work")
     ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus)}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()

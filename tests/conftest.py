@@ -68,3 +68,14 @@ def prep_tagged(tmp_path_factory):
     tokens += [f"d{i}" for i in range(40)] + [f"k{i}" for i in range(40)]
     vocab.write_text("\n".join(tokens) + "\n", encoding="utf-8")
     return str(corpus), str(vocab)
+
+
+@pytest.fixture(scope="session")
+def prep_gutenberg_small(tmp_path_factory):
+    """The first 400 sentences of each Gutenberg book (13 documents, ~0.7 MB)."""
+    if not os.path.exists(GUTENBERG):
+        pytest.skip(f"{GUTENBERG} not available")
+    docs = open(GUTENBERG, encoding="utf-8").read().split("\n\n")
+    path = tmp_path_factory.mktemp("prep_small") / "small.txt"
+    path.write_text("\n\n".join("\n".join(d.split("\n")[:400]) for d in docs), encoding="utf-8")
+    return str(path)

@@ -1,0 +1,140 @@
+"""Each corpus source, read through the same pipeline."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data_prep.config import (BuiltinCorpusConfig, DocumentsCorpusConfig, HFCorpusConfig,
+                              TextCorpusConfig)
+from data_prep.corpus import read_corpus
+from data_prep.errors import PrepError
+from data_prep.pipeline import run
+
+
+def _docs(cfg):
+    """The corpus as a list of documents (lists of sentences)."""
+    docs = []
+    for new, s in read_corpus(cfg):
+        if new:
+            docs.append([])
+        docs[-1].append(s)
+    return docs
+
+
+def test_text_files_dirs_and_globs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.txt").write_text("One.\nTwo.\n\n\n  \nThree.\n", encoding="utf-8")
+    (tmp_path / "a" / "2.txt").write_text("Four.\n\nFive.\nSix.", encoding="utf-8")
+    (tmp_path / "a" / ".hidden").write_text("never read\n", encoding="utf-8")
+    expect = [["One.", "Two."], ["Three."], ["Four."], ["Five.", "Six."]]
+    assert _docs(TextCorpusConfig(paths=[str(tmp_path / "a")])) == expect
+    assert _docs(TextCorpusConfig(paths=[str(tmp_path / "a" / "*.txt")])) == expect
+    assert _docs(TextCorpusConfig(paths=[str(tmp_path / "a" / "2.txt"),
+                                         str(tmp_path / "a" / "1.txt")])) == expect[2:] + expect[:2]
+
+
+def test_documents_split_into_sentences_by_blingfire(tmp_path):
+    (tmp_path / "d1.txt").write_text(
+        "Dr. Smith paid $3.50 for it. He was happy!\nThe line goes on here.\n\n"
+        "A second paragraph. It has \"quotes.\" Right?\n", encoding="utf-8")
+    (tmp_path / "d2.txt").write_text("Another document, one sentence.\n", encoding="utf-8")
+    per_file = _docs(DocumentsCorpusConfig(paths=[str(tmp_path)]))
+    assert per_file == [["Dr. Smith paid $3.50 for it.", "He was happy!",
+                         "The line goes on here.", "A second paragraph.",
+                         "It has \"quotes.\"", "Right?"],
+                        ["Another document, one sentence."]]
+    per_block = _docs(DocumentsCorpusConfig(paths=[str(tmp_path)], document_per="blank_line"))
+    assert per_block == [per_file[0][:3], per_file[0][3:], per_file[1]]
+
+
+def test_builtin_corpus_is_real_english():
+    docs = _docs(BuiltinCorpusConfig())
+    assert len(docs) > 300
+    text = " ".join(s for d in docs for s in d)
+    assert 1_500_000 < len(text) < 10_000_000
+    for word in ("the", "function", "returns", "module", "object"):
+        assert f" {word} " in text
+    assert not any(s.startswith(">>>") for d in docs for s in d)
+    assert len(_docs(BuiltinCorpusConfig(include_docstrings=False))) < 200
+
+
+@pytest.fixture(scope="module")
+def rows():
+    # 6 documents of paragraph text.
+    return [{"id": i, "text": f"Document {i} starts here. It talks about topic {i}.\n\n"
+                             f"Its second paragraph has more words in it. The end of {i}."}
+            for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def hf_sources(rows, tmp_path_factory):
+    datasets = pytest.importorskip("datasets")
+    d = tmp_path_factory.mktemp("prep_hf")
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(d / "data.parquet"))
+    with open(d / "data.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    ds.save_to_disk(str(d / "saved"))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(2))}).save_to_disk(
+        str(d / "saved_dict"))
+    return d
+
+
+@pytest.mark.parametrize("kind", ["parquet", "json", "saved", "saved_dict"])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_hf_sources(hf_sources, kind, streaming):
+    d = hf_sources
+    if kind in ("parquet", "json"):
+        cfg = HFCorpusConfig(name=kind, data_files=str(d / ("data." + (
+            "parquet" if kind == "parquet" else "jsonl"))), streaming=streaming,
+            cache_dir=str(d / "cache"))
+    else:
+        cfg = HFCorpusConfig(name=str(d / kind), streaming=streaming)
+    docs = _docs(cfg)
+    assert len(docs) == 6
+    assert docs[2] == ["Document 2 starts here.", "It talks about topic 2.",
+                       "Its second paragraph has more words in it.", "The end of 2."]
+    cfg.max_documents = 4
+    assert len(_docs(cfg)) == 4
+
+
+def test_hf_errors(hf_sources):
+    d = hf_sources
+    with pytest.raises(PrepError, match=r"text_column='body' is not a column .*\['id', 'text'\]"):
+        _docs(HFCorpusConfig(name=str(d / "saved"), text_column="body"))
+    with pytest.raises(PrepError, match=r"split='validation' is not in"):
+        _docs(HFCorpusConfig(name=str(d / "saved_dict"), split="validation"))
+    with pytest.raises(PrepError, match="text_column='id' holds int"):
+        _docs(HFCorpusConfig(name=str(d / "saved"), text_column="id"))
+    with pytest.raises(PrepError, match="cannot load dataset"):
+        _docs(HFCorpusConfig(name="parquet", data_files=str(d / "missing.parquet"),
+                             cache_dir=str(d / "cache")))
+
+
+def test_hf_source_end_to_end(prep_compose, hf_sources, tmp_path):
+    m = run(prep_compose("corpus=hf", "corpus.name=parquet",
+                         f"corpus.data_files={hf_sources / 'data.parquet'}",
+                         f"corpus.cache_dir={hf_sources / 'cache'}", "corpus.streaming=true",
+                         f"output_dir={tmp_path}", "tokenizer.vocab_size=100",
+                         "tokenizer.min_frequency=1", "max_seq_length=32",
+                         "validation_fraction=0.2"))
+    assert m["counts"]["num_documents"] == 6 and m["counts"]["num_sentences"] == 24
+    assert m["splits"]["validation"]["num_documents"] == 2
+    assert m["stats"]["num_instances"] > 0
+
+
+def test_text_and_documents_end_to_end(prep_compose, tmp_path):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(5):
+        (src / f"{i}.txt").write_text(" ".join(f"Sentence {j} of file {i} is here."
+                                               for j in range(30)), encoding="utf-8")
+    m = run(prep_compose("corpus=documents", f"corpus.paths=[{src}]",
+                         f"output_dir={tmp_path / 'out'}", "tokenizer.vocab_size=100",
+                         "tokenizer.min_frequency=1", "max_seq_length=32", "dupe_factor=2",
+                         "validation_fraction=0"))
+    assert m["counts"]["num_documents"] == 5 and m["counts"]["num_sentences"] == 150
+    assert m["splits"]["validation"]["num_instances"] == 0
+    assert m["splits"]["train"]["num_instances"] > 50

@@ -1,0 +1,109 @@
+"""Bad input: a one-line `bert-prep: error: ...` naming the problem and the fix, exit status 2,
+no traceback, and no output dir that training would accept."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from data_prep.errors import PrepError
+from data_prep.pipeline import run
+
+BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([BERT_PREP, "progress=false", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def assert_one_line_error(p: subprocess.CompletedProcess, pattern: str) -> None:
+    import re
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("tokenize")]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("bert-prep: error: "), lines[0]
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in p.stderr + p.stdout
+
+
+def test_cli_bad_inputs(tmp_path):
+    out = tmp_path / "out"
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Première ligne.\nCafé crème.\n".encode("latin-1"))
+    cases = [
+        ([f"corpus=text", f"corpus.paths=[{tmp_path / 'nope.txt'}]"],
+         r"no such file or directory: .*nope\.txt"),
+        (["corpus=text", f"corpus.paths=[{latin1}]"],
+         r"latin1\.txt: not UTF-8 text \(invalid byte 0xe8 at line 1, byte 5\): convert it"),
+        (["max_seq_length=5"], r"max_seq_length=5 is too short: use at least 8"),
+        (["masked_lm_prob=1.5"], r"masked_lm_prob=1.5 must be in \(0, 1\)"),
+        (["+colour=blue"], r"unknown setting colour"),
+        (["max_seq_length=abc"], r"max_seq_length='abc' is not a valid int"),
+    ]
+    for args, pattern in cases:
+        p = cli(f"output_dir={out}", *args)
+        assert_one_line_error(p, pattern)
+        assert not out.exists(), args
+    p = cli()
+    assert_one_line_error(p, r"output_dir is not set: pass output_dir=")
+
+
+@pytest.mark.parametrize("setting, pattern", [
+    ("masked_lm_prob=0", r"masked_lm_prob=0.0 must be in \(0, 1\)"),
+    ("masked_lm_prob=1", r"masked_lm_prob=1.0 must be in \(0, 1\)"),
+    ("max_seq_length=7", r"max_seq_length=7 is too short"),
+    ("max_predictions_per_seq=0", r"max_predictions_per_seq=0 must be in \[1, "),
+    ("dupe_factor=0", r"dupe_factor=0 must be >= 1"),
+    ("validation_fraction=0.7", r"validation_fraction=0.7 must be in"),
+    ("tokenizer.vocab_size=10", r"vocab_size=10 is too small"),
+    ("corpus.paths=[]", r"corpus.paths is empty"),
+    ("num_hosts=2 host_index=2", r"host_index=2 must be in \[0, num_hosts=2\)"),
+])
+def test_bad_settings(prep_compose, tmp_path, setting, pattern):
+    with pytest.raises(PrepError, match=pattern):
+        prep_compose("corpus=text", f"corpus.paths=[{tmp_path}]", f"output_dir={tmp_path}/o",
+                     *setting.split())
+
+
+def _text(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text, encoding="utf-8")
+    return str(p)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("", r"the corpus holds no text"),
+    ("\n\n   \n\t\n", r"the corpus holds no text"),
+    ("One sentence.\nAnother one.\nA third.\n", r"the corpus has 1 document: .*blank lines separate them"),
+    ("a.\n\nb.\n\nc.\n", r"the corpus has 3 documents: .*validation_fraction=0"),
+])
+def test_bad_corpora(prep_compose, tmp_path, text, pattern):
+    corpus = _text(tmp_path, "c.txt", text)
+    out = tmp_path / "out"
+    cfg = prep_compose("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={out}",
+                       "tokenizer.vocab_size=64", "tokenizer.min_frequency=1")
+    with pytest.raises(PrepError, match=pattern):
+        run(cfg)
+    assert not out.exists()
+
+
+def test_vocab_without_special_tokens(prep_compose, tmp_path):
+    corpus = _text(tmp_path, "c.txt", "a b.\n\nc d.\n")
+    vocab = _text(tmp_path, "vocab.txt", "[PAD]\n[UNK]\n[CLS]\na\nb\nc\nd\n.\n")
+    p = cli("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={tmp_path / 'out'}",
+            f"tokenizer.vocab_file={vocab}")
+    assert_one_line_error(p, r"vocab\.txt lacks the special token\(s\) \[SEP\] \[MASK\]: add")
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_dir_that_is_not_ours_is_never_touched(prep_compose, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "precious.txt").write_text("keep me")
+    corpus = _text(tmp_path, "c.txt", "a b.\n\nc d.\n\ne f.\n\ng h.\n")
+    with pytest.raises(PrepError, match="exists and is not a bert-prep output"):
+        run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]",
+                         f"output_dir={tmp_path / 'out'}", "overwrite=true"))
+    assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"

@@ -1,0 +1,123 @@
+"""Tokenizer: trained or reused, saved so transformers.BertTokenizerFast encodes identically;
+the cached corpus encoder is exact."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from data_prep.config import TextCorpusConfig, TokenizerConfig
+from data_prep.encoder import CorpusEncoder
+from data_prep.errors import PrepError
+from data_prep.pipeline import _sentence_batches, run
+from data_prep.tokenizer import load_tokenizer, prepare_tokenizer
+
+TRICKY = [
+    "Hello, World!! It's 3.14 -- naïve café, résumé; Ünïcödé.",
+    "Tabs\tand  double  spaces , and (parentheses) [brackets] {braces} \"quotes\"",
+    "ΣΑΣ'Α ΌΛΟΙ σας İstanbul ǅ ß ﬁ Straße",
+    "中文字符 and 日本語のテキスト mixed with English words",
+    "e\u0301 combining accents a\u0300\u0301 and zero\u200bwidth and control\x07char",
+    "[MASK] and [CLS] written in text are text, not special tokens",
+    "averyveryveryverylongwordthatwillneverbeinanyvocabularyatallreallyverylongindeedyesxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx",
+    "emoji 😀 🎉 and symbols © ® ™ ° ± µ § ¶",
+    "",
+    "   ",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, prep_gutenberg_small):
+    out = {}
+    for lower in (True, False):
+        d = str(tmp_path_factory.mktemp("prep_tok") / "tokenizer")
+        pt = prepare_tokenizer(TokenizerConfig(vocab_size=3000, do_lower_case=lower),
+                               lambda: _sentence_batches(TextCorpusConfig(
+                                   paths=[prep_gutenberg_small])), d, progress=False)
+        out[lower] = (d, pt)
+    return out
+
+
+def _sample_lines(path, n=3000):
+    lines = [ln.strip() for ln in open(path, encoding="utf-8") if ln.strip()]
+    return lines[:: max(1, len(lines) // n)] + TRICKY
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_transformers_loads_and_encodes_identically(trained, lower, prep_gutenberg_small):
+    transformers = pytest.importorskip("transformers")
+    d, pt = trained[lower]
+    hf = transformers.BertTokenizerFast.from_pretrained(d)
+    assert len(hf) == pt.vocab_size
+    assert hf.cls_token_id == pt.special_ids["cls"] and hf.mask_token_id == pt.special_ids["mask"]
+    lines = _sample_lines(prep_gutenberg_small)
+    ids, lens = CorpusEncoder(pt.tokenizer, pt.token_dtype).encode(lines)
+    ours = np.split(ids.astype(np.int64), np.cumsum(lens)[:-1])
+    for text, o in zip(lines, ours):
+        if "[MASK]" in text:     # transformers treats literal special tokens in text as special
+            continue
+        assert hf(text)["input_ids"] == [pt.special_ids["cls"], *o.tolist(),
+                                         pt.special_ids["sep"]], text
+    # A pair encodes as [CLS] A [SEP] B [SEP] with segment ids, like the prepared rows.
+    enc = hf("first part", "second part")
+    assert enc["input_ids"][0] == pt.special_ids["cls"]
+    assert enc["token_type_ids"][-1] == 1 and enc["token_type_ids"][0] == 0
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        assert json.load(f)["do_lower_case"] is lower
+
+
+@pytest.mark.parametrize("lower", [True, False])
+def test_cached_encoder_is_exact(trained, lower, prep_gutenberg_small):
+    _, pt = trained[lower]
+    lines = _sample_lines(prep_gutenberg_small, 20000)
+    enc = CorpusEncoder(pt.tokenizer, pt.token_dtype, max_cache=500)   # also exercises reset
+    assert enc.cached
+    got = [enc.encode(lines[i:i + 700]) for i in range(0, len(lines), 700)]
+    ids = np.concatenate([g[0] for g in got])
+    lens = np.concatenate([g[1] for g in got])
+    ref = pt.tokenizer.encode_batch(lines, add_special_tokens=False)
+    assert lens.tolist() == [len(e.ids) for e in ref]
+    assert ids.tolist() == [i for e in ref for i in e.ids]
+
+
+def test_reuse_vocab_txt_and_tokenizer_json(trained, tmp_path):
+    d, pt = trained[True]
+    for name in ("vocab.txt", "tokenizer.json"):
+        out = str(tmp_path / name)
+        again = prepare_tokenizer(TokenizerConfig(vocab_file=os.path.join(d, name)), None, out,
+                                  progress=False)
+        assert again.sha256 == pt.sha256 and again.do_lower_case
+        a = again.tokenizer.encode_batch(TRICKY, add_special_tokens=False)
+        b = pt.tokenizer.encode_batch(TRICKY, add_special_tokens=False)
+        assert [e.ids for e in a] == [e.ids for e in b]
+    # A directory holding them works too.
+    assert prepare_tokenizer(TokenizerConfig(vocab_file=d), None, str(tmp_path / "dir"),
+                             progress=False).sha256 == pt.sha256
+
+
+def test_bad_vocabularies(tmp_path):
+    bad = tmp_path / "vocab.txt"
+    bad.write_text("[PAD]\n[UNK]\nhello\nworld\n", encoding="utf-8")
+    with pytest.raises(PrepError, match=r"lacks the special token\(s\) \[CLS\] \[SEP\] \[MASK\]"):
+        load_tokenizer(str(bad))
+    with pytest.raises(PrepError, match="no such file"):
+        load_tokenizer(str(tmp_path / "missing.txt"))
+    bpe = tmp_path / "bpe.json"
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.BPE()).save(str(bpe))
+    with pytest.raises(PrepError, match="holds a BPE model"):
+        load_tokenizer(str(bpe))
+
+
+def test_trained_vocab_prep_end_to_end(prep_compose, prep_gutenberg_small, tmp_path):
+    m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_gutenberg_small}]",
+                         f"output_dir={tmp_path}", "tokenizer.vocab_size=2000", "dupe_factor=1"))
+    assert m["vocab_size"] == 2000 and m["token_dtype"] == "uint16"
+    assert m["special_token_ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+    vocab = open(tmp_path / "tokenizer" / "vocab.txt", encoding="utf-8").read().split("\n")
+    assert len(vocab) - 1 == 2000 and vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    import hashlib
+    assert m["tokenizer"]["sha256"] == hashlib.sha256(
+        (tmp_path / "tokenizer" / "vocab.txt").read_bytes()).hexdigest()
