@@ -240,3 +240,135 @@ def test_callback_optuna_sweep(tmp_path: Path) -> None:
     best = OmegaConf.load(sweep / "optimization_results.yaml")
     assert float(rows[0]["objective"]) == pytest.approx(best.best_value)
     assert float(rows[0]["lr"]) == pytest.approx(best.best_params.lr)
+
+
+# --------------------------------------------------------------------------- bert-train sweeps
+# Real multiruns of the training entry point on the smoke experiment's tiny model.
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["experiment=smoke", "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=0",
+        "trainer.checkpoint_every=100", "trainer.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    from train_support import write_prepared
+
+    return write_prepared(str(tmp_path_factory.mktemp("prepared") / "data"), num_train=40)
+
+
+def bert_train_multirun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def final_eval(member: Path) -> float:
+    evals = [json.loads(l) for l in (member / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in evals if "eval_mlm_loss" in e][-1]["eval_mlm_loss"]
+
+
+def test_grid_sweep_2x2_bert_train(prepared, tmp_path):
+    sweep = tmp_path / "grid"
+    r = bert_train_multirun("-m", *TINY, f"data.dir={prepared}", f"hydra.sweep.dir={sweep}",
+                            "optim.lr=1e-3,3e-3", "trainer.warmup_steps=1,2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    assert len(rows) == 4 and all(row["status"] == "completed" for row in rows)
+    assert {(row["optim.lr"], row["trainer.warmup_steps"]) for row in rows} == {
+        ("0.001", "1"), ("0.001", "2"), ("0.003", "1"), ("0.003", "2")}
+    losses = [float(row["eval_mlm_loss"]) for row in rows]
+    assert losses == sorted(losses)
+    for row in rows:
+        member = Path(row["dir"])
+        # Each member trained in its own sweep subdir; the summary's value is that member's
+        # final held-out loss, which is also what bert-train returned to the sweeper.
+        assert member.parent == sweep and (member / "checkpoints" / "step-00000004").is_dir()
+        assert float(row["eval_mlm_loss"]) == final_eval(member)
+        assert float(row["objective"]) == pytest.approx(final_eval(member), rel=1e-12)
+        assert row["step"] == "4"
+    assert len(set(losses)) > 1  # the swept values reached the runs
+    table = (sweep / "summary.txt").read_text()
+    assert table in r.stdout and "optim.lr" in table and "trainer.warmup_steps" in table
+    assert (sweep / "summary.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_optuna_search_3_trials_bert_train(prepared, tmp_path):
+    sweep = tmp_path / "optuna"
+    r = bert_train_multirun("-m", "+hparams_search=mlm_tpe", *TINY, f"data.dir={prepared}",
+                            f"hydra.sweep.dir={sweep}", "hydra.sweeper.n_trials=3",
+                            "hydra.sweeper.sampler.n_startup_trials=2",
+                            # the search space of the config, narrowed to what 4 steps allow
+                            "trainer.warmup_steps=range(0,2)")  # 0, 1, 2: stop inclusive
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    assert len(rows) == 3 and all(row["status"] == "completed" for row in rows)
+    # Swept by the config: lr, warmup and weight decay differ between trials.
+    assert len({row["optim.lr"] for row in rows}) == 3
+    assert all(5e-5 <= float(row["optim.lr"]) <= 3e-3 for row in rows)
+    assert all(row["trainer.warmup_steps"] in ("0", "1", "2") for row in rows)
+    losses = [float(row["eval_mlm_loss"]) for row in rows]
+    assert losses == sorted(losses)
+    from omegaconf import OmegaConf
+
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert best.best_value == pytest.approx(losses[0], rel=1e-12)
+    assert float(rows[0]["optim.lr"]) == pytest.approx(best.best_params["optim.lr"])
+    # One wandb group per sweep: every trial's resolved config names the sweep dir.
+    for row in rows:
+        saved = OmegaConf.load(Path(row["dir"]) / "checkpoints" / "step-00000004" / "config.yaml")
+        assert Path(saved.logger.group).resolve() == sweep.resolve()
+        assert saved.trainer.max_steps == 4
+
+
+# --------------------------------------------------------------------------- sweep configs
+
+SEARCHES = sorted(p.stem for p in (REPO / "conf" / "hparams_search").glob("*.yaml"))
+LAUNCHERS = sorted(p.stem for p in (REPO / "conf" / "hydra" / "launcher").glob("*.yaml"))
+
+
+def compose_train(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from bert_pretrain.config import register
+
+    register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=overrides, return_hydra_config=True)
+
+
+@pytest.mark.parametrize("search", SEARCHES)
+def test_hparams_search_configs_compose_and_sweep_real_keys(search):
+    from omegaconf import OmegaConf
+
+    cfg = compose_train([f"+hparams_search={search}", "data.dir=x"])
+    sweeper = cfg.hydra.sweeper
+    assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "minimize"
+    assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
+    assert sweeper.sampler.seed == cfg.seed
+    assert str(cfg.hydra.mode).endswith("MULTIRUN")
+    assert cfg.hydra.callbacks.sweep_summary._target_.endswith("SweepSummaryCallback")
+    # One wandb group per sweep (resolved inside each trial; see the Optuna run test).
+    assert OmegaConf.to_container(cfg.logger)["group"] == "${hydra:sweep.dir}"
+    assert len(sweeper.params) >= 2
+    for key in sweeper.params:  # a misspelt key would only fail when the first trial starts
+        assert OmegaConf.select(cfg, key, default="<absent>") != "<absent>", key
+    # Short-budget trials: a step count well below a real run's, or a wall-clock budget.
+    assert cfg.trainer.budget_hours is not None or cfg.trainer.max_steps <= 5000
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_launcher_configs_instantiate(launcher):
+    from hydra.utils import instantiate
+
+    cfg = compose_train([f"hydra/launcher={launcher}", "data.dir=x"])
+    obj = instantiate(cfg.hydra.launcher)  # builds the launcher (submits nothing)
+    expected = {"local_parallel": "JoblibLauncher", "slurm": "SlurmLauncher"}[launcher]
+    assert type(obj).__name__ == expected
+    if launcher == "slurm":
+        assert obj.params["gpus_per_node"] == 1 and obj.params["max_num_timeout"] >= 1
