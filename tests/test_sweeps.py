@@ -372,3 +372,16 @@ def test_launcher_configs_instantiate(launcher):
     assert type(obj).__name__ == expected
     if launcher == "slurm":
         assert obj.params["gpus_per_node"] == 1 and obj.params["max_num_timeout"] >= 1
+
+
+def test_callback_under_parallel_joblib_launcher(tmp_path: Path) -> None:
+    """Trials in joblib worker processes: each records its own trial.json, the sweep process
+    writes the summary of all of them."""
+    r, sweep = run_toy(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+                       "lr=1e-4,1e-3,1e-2", "layers=1")
+    assert r.returncode == 0, r.stderr
+    rows = read_csv(sweep / "summary.csv")
+    assert [row["lr"] for row in rows] == ["0.001", "0.0001", "0.01"]
+    assert all(row["status"] == "completed" and float(row["duration_s"]) >= 0 for row in rows)
+    job_nums = {json.loads((sweep / str(i) / "trial.json").read_text())["job_num"] for i in range(3)}
+    assert job_nums == {0, 1, 2}
