@@ -71,8 +71,9 @@ def _typed(cfg: DictConfig, key: str, cls):
         merged = OmegaConf.merge(OmegaConf.structured(cls), node)
         return OmegaConf.to_object(merged)
     except MissingMandatoryValue as exc:
-        raise ConfigError(f"{exc.full_key or key} is not set; pass {exc.full_key or key}=...") \
-            from None
+        name = f"{key}.{exc.key}" if exc.key else key
+        hint = " (the output_dir of bert-prep)" if name == "data.dir" else ""
+        raise ConfigError(f"{name} is not set; pass {name}=...{hint}") from None
     except OmegaConfBaseException as exc:
         first = str(exc).splitlines()[0]
         raise ConfigError(f"{key}: {first}") from None

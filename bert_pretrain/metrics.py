@@ -3,6 +3,7 @@ progress bar.  Only the main process creates a `Metrics` that writes; the others
 
 import json
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -71,7 +72,7 @@ class Metrics:
             if os.path.isfile(id_file):
                 run_id = open(id_file).read().strip()
             else:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:12]  # stable across resumes of this run_dir
                 with open(id_file, "w") as f:
                     f.write(run_id)
             self.wandb = wandb.init(

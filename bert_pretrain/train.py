@@ -41,9 +41,76 @@ def _run(cfg: DictConfig) -> float:
         _fail(str(exc))
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def _one_line(exc: Exception) -> str:
+    """Hydra/OmegaConf composition errors span several lines (with full_key/object_type detail
+    and a HYDRA_FULL_ERROR hint); keep the lines that say what is wrong, and the options."""
+    lines, options = [], []
+    text = str(exc)
+    cause = exc.__cause__ or exc.__context__
+    if cause is not None and str(cause).splitlines():
+        text += "\n" + str(cause).splitlines()[0]
+        suggestion = _suggest(cause)
+        if suggestion:
+            text += "\n" + suggestion
+    for line in text.splitlines():
+        if line.startswith("To append to your config"):
+            continue
+        if line.startswith("\t"):
+            options.append(line.strip())
+        elif line.strip() and not line.startswith(" ") and not line.startswith("Config search"):
+            lines.append(line.strip().rstrip("."))
+    message = "; ".join(lines)
+    if options and "Available options" in message:
+        message = message.rstrip(":") + ": " + ", ".join(o for o in options if "provider=" not in o)
+    return message
+
+
+def _suggest(exc: Exception) -> str:
+    """'did you mean ...' for a misspelt key, from the schema's field names."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    from .config import TrainConfig
+
+    full_key = getattr(exc, "full_key", None)
+    if not full_key:
+        return ""
+    parent, _, key = full_key.rpartition(".")
+    node = OmegaConf.structured(TrainConfig)
+    try:
+        names = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
+    except Exception:  # the parent is a free-form group (model, impl): nothing to suggest from
+        return ""
+    if key in names:
+        return ""
+    close = difflib.get_close_matches(key, names, n=1)
+    return f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+
+
+def _precheck(overrides: list) -> None:
+    """Compose the config once before Hydra runs, so that a misspelt key or option on the
+    command line gets a one-line `bert-train: error:` (exit 2) like every other user error.
+    Skipped for multirun (sweep syntax) and Hydra's own flags, which Hydra reports itself."""
+    if any(arg.startswith("-") for arg in overrides):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        _fail(_one_line(exc) + " (see conf/ for the keys and options)")
+
+
 def main() -> None:
-    # Torch and numpy errors are chatty under many threads; none of this changes results.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _precheck(sys.argv[1:])
     _run()
 
 

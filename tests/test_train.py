@@ -1,0 +1,172 @@
+"""bert-train end to end: real bert-prep output in, checkpoint + metrics + logs out; the user's
+mistakes get one-line errors (exit 2); faults (non-finite loss) stop cleanly; wandb offline."""
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bert_pretrain.errors import CheckpointError, ConfigError, DataError, TrainingError
+from train_support import (REPO, read_metrics, run_bert_train, train_in_process,
+                           write_prepared)
+
+EVAL_KEYS = {"eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"}
+TRAIN_KEYS = {"step", "loss", "mlm_loss", "nsp_loss", "lr", "tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def real_prep(tmp_path_factory):
+    """The built-in corpus through the real bert-prep (small vocab, seq 64, one dupe)."""
+    out = str(tmp_path_factory.mktemp("bertprep") / "builtin64")
+    r = subprocess.run(
+        [sys.executable, "-m", "data_prep.build", "corpus=builtin", f"output_dir={out}",
+         "max_seq_length=64", "max_predictions_per_seq=10", "dupe_factor=1",
+         "tokenizer.vocab_size=2000", "validation_fraction=0.05", "progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return write_prepared(str(tmp_path_factory.mktemp("prep")), num_train=48, num_valid=8)
+
+
+def test_end_to_end_on_real_bert_prep_output_learns(tmp_path, real_prep):
+    run = str(tmp_path / "run")
+    r = run_bert_train(["experiment=smoke", f"data.dir={real_prep}", f"run_dir={run}",
+                        "trainer.max_steps=40", "trainer.warmup_steps=4", "optim.lr=3e-3",
+                        "trainer.eval_every=20", "trainer.checkpoint_every=20",
+                        "trainer.global_batch_size=16", "trainer.log_every=5"], cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = os.path.join(run, "checkpoints", "step-00000040")
+    assert f"checkpoint: {final}" in r.stdout
+    assert os.path.join(run, "metrics.jsonl") in r.stdout
+    assert os.path.isfile(os.path.join(run, "train.log"))            # Hydra's log
+    assert os.path.isfile(os.path.join(run, ".hydra", "config.yaml"))
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", "config.yaml",
+                 "tokenizer/vocab.txt", "rng_state_rank0.pt"):
+        assert os.path.exists(os.path.join(final, name)), name
+    records = read_metrics(run)
+    train = [x for x in records if "loss" in x]
+    evals = [x for x in records if "eval_mlm_loss" in x]
+    assert [x["step"] for x in train] == list(range(5, 41, 5))
+    assert all(TRAIN_KEYS <= set(x) for x in train)
+    assert [x["step"] for x in evals] == [20, 40] and all(EVAL_KEYS <= set(x) for x in evals)
+    # it learns: the MLM loss falls well below its initial value (ln 2000 = 7.6)
+    assert train[-1]["mlm_loss"] < train[0]["mlm_loss"] - 0.5
+    assert evals[-1]["eval_mlm_loss"] < 7.0
+    state = json.load(open(os.path.join(final, "trainer_state.json")))
+    assert state["samples_consumed"] == 40 * 16 and state["step"] == 40
+    assert state["tokens_seen"] > 40 * 16 * 10  # non-padding tokens of 640 rows of <= 64
+
+
+def test_user_errors_are_one_line_exit_2(tmp_path, synthetic):
+    cases = [
+        (["experiment=smoke", f"data.dir={tmp_path / 'missing'}"], "does not exist; run bert-prep"),
+        (["experiment=smoke"], "data.dir is not set"),
+        (["experiment=smoke", f"data.dir={synthetic}", "trainer.max_stepz=3"],
+         "did you mean trainer.max_steps?"),
+        (["experiment=smoke", f"data.dir={synthetic}", "trainer.mixed_precision=fp8"],
+         "trainer.mixed_precision must be one of no, bf16, fp16"),
+        (["experiment=smoke", f"data.dir={synthetic}", "optim=sgd"], "Available options in 'optim'"),
+    ]
+    for args, message in cases:
+        r = run_bert_train(args + [f"run_dir={tmp_path / 'r'}"], cwd=str(tmp_path))
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        assert r.stderr.startswith("bert-train: error: ") and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_data_and_model_mismatches_are_refused(tmp_path, synthetic):
+    base = ["experiment=smoke", f"data.dir={synthetic}", f"run_dir={tmp_path / 'a'}"]
+    with pytest.raises(DataError, match="model.vocab_size=999 but the data .* 64-token"):
+        train_in_process(base + ["model.vocab_size=999"])
+    with pytest.raises(DataError, match=r"max_seq_length \(32\) exceeds model.max_position_emb"):
+        train_in_process(base + ["model.max_position_embeddings=16"])
+    with pytest.raises(ConfigError, match="model.hidden_size .* divisible"):
+        train_in_process(base + ["model.num_attention_heads=3"])
+    with pytest.raises(DataError, match="not divisible"):
+        train_in_process(base + ["trainer.global_batch_size=8", "trainer.micro_batch_size=3"])
+    half = str(tmp_path / "half")
+    shutil.copytree(synthetic, half)
+    os.remove(os.path.join(half, "manifest.json"))
+    with pytest.raises(DataError, match="no manifest.json"):
+        train_in_process(["experiment=smoke", f"data.dir={half}", f"run_dir={tmp_path / 'b'}"])
+
+
+def test_resume_rules_and_other_model_size(tmp_path, synthetic):
+    run = str(tmp_path / "run")
+    base = ["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}"]
+    train_in_process(base + ["trainer.max_steps=3"])
+    with pytest.raises(ConfigError, match="already has checkpoints; continue it with resume=auto"):
+        train_in_process(base)
+    with pytest.raises(CheckpointError, match=r"different model \(hidden_size: checkpoint 32 vs "
+                                              r"config 64"):
+        train_in_process(base + ["resume=auto", "model.hidden_size=64"])
+    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+        train_in_process(base + [f"resume={tmp_path / 'nowhere'}"])
+    # resume=auto in an empty run dir starts fresh
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", "resume=auto",
+                      f"run_dir={tmp_path / 'fresh'}", "trainer.max_steps=3"])
+    assert os.path.isdir(os.path.join(tmp_path, "fresh", "checkpoints", "step-00000003"))
+
+
+def test_nonfinite_loss_stops_with_last_good_checkpoint(tmp_path, synthetic):
+    run = str(tmp_path / "run")
+    with pytest.raises(TrainingError, match=r"non-finite for 3 consecutive steps .* last good "
+                                            r"checkpoint: .*step-00000001"):
+        # lr 1e30 turns every weight into inf after the first update
+        train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
+                          "optim.lr=1e30", "trainer.max_grad_norm=null",
+                          "trainer.warmup_steps=0", "trainer.max_steps=50",
+                          "trainer.checkpoint_every=1", "trainer.max_nonfinite_steps=3",
+                          "trainer.eval_every=0"])
+    assert [os.path.basename(p) for p in glob.glob(os.path.join(run, "checkpoints", "step-*"))] \
+        == ["step-00000001"]
+    records = read_metrics(run)
+    assert records[0]["loss"] is not None and records[1]["loss"] is None
+    assert records[2]["nonfinite_steps"] == 2
+
+
+def test_init_from_takes_weights_only(tmp_path, synthetic):
+    """Phase 2 style: weights from a checkpoint, fresh optimizer, schedule and data position."""
+    from safetensors.torch import load_file
+
+    first = str(tmp_path / "first")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={first}",
+                      "trainer.max_steps=4"])
+    source = os.path.join(first, "checkpoints", "step-00000004")
+    second = str(tmp_path / "second")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={second}",
+                      f"trainer.init_from={source}", "trainer.max_steps=3",
+                      "optim.lr=1e-12", "trainer.warmup_steps=0", "optim.weight_decay=0"])
+    after = os.path.join(second, "checkpoints", "step-00000003")
+    state = json.load(open(os.path.join(after, "trainer_state.json")))
+    assert state["step"] == 3 and state["samples_consumed"] == 3 * 8   # its own position
+    a, b = load_file(os.path.join(source, "model.safetensors")), \
+        load_file(os.path.join(after, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:  # lr 1e-12: the weights are the source's (fresh Adam moves them by ~1e-12)
+        torch.testing.assert_close(a[k], b[k], atol=1e-9, rtol=0)
+    opt = torch.load(os.path.join(after, "optimizer.pt"), weights_only=False)
+    assert float(next(iter(opt["state"].values()))["step"]) == 3.0          # a fresh optimizer
+
+
+def test_wandb_offline_writes_a_run_directory(tmp_path, synthetic, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = str(tmp_path / "run")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
+                      "logger=wandb", "logger.mode=offline", "logger.group=g1",
+                      "logger.tags=[a,b]", "trainer.max_steps=3"])
+    runs = glob.glob(os.path.join(run, "wandb", "offline-run-*"))
+    assert len(runs) == 1, os.listdir(run)
+    assert glob.glob(os.path.join(runs[0], "run-*.wandb"))
+    assert os.path.isfile(os.path.join(run, "wandb_run_id"))
