@@ -56,7 +56,7 @@ class Trial:
     dir: Path
     job_num: int | None
     overrides: dict[str, str]
-    status: str  # "completed" | "failed" | "unknown" (no trial.json: killed, or no callback)
+    status: str  # completed | failed | running (or died unseen) | unknown (no trial.json)
     error: str | None = None
     objective: float | None = None
     duration_s: float | None = None
