@@ -64,6 +64,16 @@ def test_end_to_end_on_real_bert_prep_output_learns(tmp_path, real_prep):
     state = json.load(open(os.path.join(final, "trainer_state.json")))
     assert state["samples_consumed"] == 40 * 16 and state["step"] == 40
     assert state["tokens_seen"] > 40 * 16 * 10  # non-padding tokens of 640 rows of <= 64
+    # the checkpoint exports with bert-prep's real tokenizer files
+    out = str(tmp_path / "hf")
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", final, out], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.BertTokenizerFast.from_pretrained(out)
+    assert tok.vocab_size == 2000
+    model = transformers.BertForPreTraining.from_pretrained(out)
+    assert model.config.hidden_size == 32
 
 
 def test_user_errors_are_one_line_exit_2(tmp_path, synthetic):
