@@ -83,15 +83,17 @@ class CorpusEncoder:
     def encode(self, texts: list[str]):
         if not self.cached:
             return self._plain(texts)
-        splits = [t.split(" ") for t in texts]
-        chunks = list(itertools.chain.from_iterable(splits))
+        chunks = " ".join(texts).split(" ")
+        n_chunks = np.fromiter(map(_count_spaces, texts), np.int64, count=len(texts)) + 1
         index = self.index
-        new = [c for c in dict.fromkeys(chunks) if c not in index]
+        # Registration order of new chunks does not matter (each is encoded on its own terms).
+        new = set(chunks).difference(index)
         if len(index) + len(new) > self.max_cache:
             self._reset()
             index = self.index
-            new = list(dict.fromkeys(chunks))
+            new = set(chunks)
         if new:
+            new = sorted(new)
             ids, lens = self._encode_chunks(new)
             base = len(index)
             index.update(zip(new, range(base, base + len(new))))
@@ -102,8 +104,10 @@ class CorpusEncoder:
         clen = self.offsets[cid + 1] - starts
         total = int(clen.sum())
         src = np.arange(total) - np.repeat(np.cumsum(clen) - clen - starts, clen)
-        n_chunks = np.fromiter(map(len, splits), np.int64, count=len(splits))
-        chunk_end = np.cumsum(n_chunks)
-        tok_end = np.concatenate([[0], np.cumsum(clen)])[chunk_end]
+        tok_end = np.concatenate([[0], np.cumsum(clen)])[np.cumsum(n_chunks)]
         lens = np.diff(np.concatenate([[0], tok_end]))
         return self.tokens[src], lens
+
+
+def _count_spaces(text: str) -> int:
+    return text.count(" ")

@@ -31,25 +31,23 @@ class MaskingTables:
     mask_id: int
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray):
-    """(row, offset-within-range) of every element of the concatenated ranges."""
-    total = int(lens.sum())
-    rows = np.repeat(np.arange(len(lens)), lens)
-    within = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
-    return rows, within, np.repeat(starts, lens) + within
-
-
 def assemble(tokens: np.ndarray, seg, max_seq_length: int, t: MaskingTables) -> np.ndarray:
-    n = len(seg.a_start)
-    ids = np.full((n, max_seq_length), t.pad_id, np.int32)
+    """[N, L] int32 rows: one gather from the token store through a per-cell source index."""
+    n, L = len(seg.a_start), max_seq_length
+    col = np.arange(L, dtype=np.int64)[None, :]
+    a_len = seg.a_len[:, None]
+    b_first = a_len + 2                      # column of B's first token
+    end = b_first + seg.b_len[:, None]       # column of the final [SEP]
+    in_a = (col >= 1) & (col <= a_len)
+    in_b = (col >= b_first) & (col < end)
+    src = np.where(in_a, seg.a_start[:, None] + col - 1, seg.b_start[:, None] + col - b_first)
+    src = np.where(in_a | in_b, src, 0)
+    ids = np.asarray(tokens[src.ravel()], np.int32).reshape(n, L)
+    ids[~(in_a | in_b)] = t.pad_id
     ids[:, 0] = t.cls_id
-    rows, within, src = _ranges(seg.a_start, seg.a_len)
-    ids[rows, 1 + within] = tokens[src]
-    rows, within, src = _ranges(seg.b_start, seg.b_len)
-    ids[rows, seg.a_len[rows] + 2 + within] = tokens[src]
     ar = np.arange(n)
     ids[ar, seg.a_len + 1] = t.sep_id
-    ids[ar, seg.a_len + seg.b_len + 2] = t.sep_id
+    ids[ar, end[:, 0]] = t.sep_id
     return ids
 
 
@@ -88,34 +86,38 @@ def mask_rows(ids: np.ndarray, lengths: np.ndarray, masked_lm_prob: float,
               rng: np.random.Generator):
     """Mask `ids` in place.  Returns (positions [N, P], labels [N, P], counts dict)."""
     n, L = ids.shape
+    P = max_predictions
+    ar = np.arange(n)
     cand = ~t.special[ids]
-    k = np.minimum(max_predictions, np.maximum(1, np.rint(lengths * masked_lm_prob)))
+    k = np.minimum(P, np.maximum(1, np.rint(lengths * masked_lm_prob)))
     k = np.minimum(k.astype(np.int64), cand.sum(1))
     if whole_word_mask:
         sel, word = _choose_words(cand, ids, k, t, rng)
     else:
+        # The k candidates with the smallest random keys (float64 keys: no ties in practice).
         keys = rng.random((n, L))
         keys[~cand] = 2.0
-        order = np.argsort(keys, axis=1)
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(L)[None, :].repeat(n, 0), axis=1)
-        sel = rank < k[:, None]
-    r_idx, c_idx = np.nonzero(sel)                 # row-major: positions ascending per row
-    count = sel.sum(1)
-    slot = np.arange(len(r_idx)) - np.repeat(np.cumsum(count) - count, count)
-    original = ids[r_idx, c_idx]
-    if whole_word_mask:
-        decide = rng.random((n, L))[r_idx, word[r_idx, c_idx]]   # one draw per word
+        threshold = np.sort(keys, axis=1)[ar, np.maximum(k - 1, 0)]
+        sel = (keys <= threshold[:, None]) & (k > 0)[:, None]
+    # Chosen columns in ascending order, padded with L (a stable radix sort of uint16).
+    col = np.arange(L, dtype=np.uint16)
+    pos = np.sort(np.where(sel, col, np.uint16(L)), axis=1, kind="stable")[:, :P]
+    pos = pos.astype(np.int64)
+    valid = pos < L
+    pos[~valid] = 0
+    original = np.take_along_axis(ids, pos, axis=1)
+    if whole_word_mask:   # one draw per word: every piece of a word gets the same treatment
+        decide = rng.random((n, L))[ar[:, None], np.take_along_axis(word, pos, axis=1)]
     else:
-        decide = rng.random(len(r_idx))
-    replacement = t.replacements[rng.integers(0, len(t.replacements), len(r_idx))]
-    is_mask = decide < 0.8
-    is_random = decide >= 0.9
-    ids[r_idx, c_idx] = np.where(is_mask, t.mask_id, np.where(is_random, replacement, original))
-    positions = np.zeros((n, max_predictions), np.int64)
-    labels = np.zeros((n, max_predictions), np.int64)
-    positions[r_idx, slot] = c_idx
-    labels[r_idx, slot] = original
-    counts = {"predicted": int(len(r_idx)), "mask": int(is_mask.sum()),
-              "random": int(is_random.sum()), "kept": int((~is_mask & ~is_random).sum())}
-    return positions, labels, counts
+        decide = rng.random((n, P))
+    replacement = t.replacements[rng.integers(0, len(t.replacements), (n, P))]
+    is_mask = (decide < 0.8) & valid
+    is_random = (decide >= 0.9) & valid
+    new = np.where(is_mask, t.mask_id, np.where(is_random, replacement, original))
+    flat = (ar[:, None] * L + pos)[valid]
+    ids.reshape(-1)[flat] = new[valid]
+    labels = np.where(valid, original, 0)
+    n_pred = int(valid.sum())
+    counts = {"predicted": n_pred, "mask": int(is_mask.sum()), "random": int(is_random.sum()),
+              "kept": n_pred - int(is_mask.sum()) - int(is_random.sum())}
+    return pos, labels, counts

@@ -186,7 +186,8 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
         store = TokenStore.open(tokens_dir)
     else:
         store = tokenize_corpus(corpus_mod.read_corpus(cfg.corpus), tok.tokenizer, tokens_dir,
-                                tok.token_dtype, cfg.tokenize_batch_size, cfg.progress)
+                                tok.token_dtype, cfg.tokenize_batch_size, cfg.progress,
+                                cfg.num_proc)
 
     plan_dir = os.path.join(work, "plan")
     if not os.path.isdir(plan_dir):

@@ -64,14 +64,73 @@ def is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "meta.json"))
 
 
-def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory: str,
-                    dtype: str, batch_size: int, progress: bool = True) -> TokenStore:
-    """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
-    from tqdm import tqdm
+# Worker side of parallel tokenization: one encoder (and its chunk cache) per process.
+_ENCODER = None
+
+
+def _init_encoder(tokenizer_json: str, dtype: str) -> None:
+    global _ENCODER
+    # A fork()ed child must not use the Rust thread pool of its parent; each worker encodes
+    # on one thread and the workers run side by side.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
 
     from data_prep.encoder import CorpusEncoder
-    encoder = CorpusEncoder(tokenizer, dtype)
-    tmp = directory + ".tmp"
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.encode_special_tokens = True
+    _ENCODER = CorpusEncoder(tok, dtype)
+
+
+def _encode(texts: list[str]):
+    return _ENCODER.encode(texts)
+
+
+def _batches(sentences, batch_size: int):
+    texts: list[str] = []
+    flags: list[bool] = []
+    for flag, text in sentences:
+        texts.append(text)
+        flags.append(flag)
+        if len(texts) >= batch_size:
+            yield texts, flags
+            texts, flags = [], []
+    if texts:
+        yield texts, flags
+
+
+def _encoded(sentences, tokenizer, dtype: str, batch_size: int, num_proc: int):
+    """(ids, lengths, flags) per batch, in corpus order.  With num_proc > 1 the batches are
+    encoded in worker processes, at most 2 per worker in flight so memory stays bounded."""
+    if num_proc <= 1:
+        from data_prep.encoder import CorpusEncoder
+        encoder = CorpusEncoder(tokenizer, dtype)
+        for texts, flags in _batches(sentences, batch_size):
+            yield (*encoder.encode(texts), flags)
+        return
+    import collections
+    import multiprocessing as mp
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    with mp.get_context(method).Pool(num_proc, _init_encoder,
+                                     (tokenizer.to_str(), dtype)) as pool:
+        pending: collections.deque = collections.deque()
+        for texts, flags in _batches(sentences, batch_size):
+            pending.append((pool.apply_async(_encode, (texts,)), flags))
+            if len(pending) >= 2 * num_proc:
+                res, fl = pending.popleft()
+                yield (*res.get(), fl)
+        while pending:
+            res, fl = pending.popleft()
+            yield (*res.get(), fl)
+
+
+def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory: str,
+                    dtype: str, batch_size: int, progress: bool = True,
+                    num_proc: int = 1) -> TokenStore:
+    """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
+    import socket
+
+    from tqdm import tqdm
+    tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     ftok = open(os.path.join(tmp, "tokens.bin"), "wb")
@@ -81,8 +140,7 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     state = {"tokens": 0, "sentences": 0, "documents": 0, "pending_start": False}
     bar = tqdm(desc="tokenize", unit=" sent", disable=not progress, mininterval=0.5)
 
-    def flush(texts: list[str], flags: list[bool]) -> None:
-        ids, lens = encoder.encode(texts)
+    def write(ids: np.ndarray, lens: np.ndarray, flags: list[bool]) -> None:
         keep = np.flatnonzero(lens)
         # A sentence that tokenizes to nothing is dropped; if it started a document, the next
         # kept sentence starts it instead (so documents are never lost or merged).
@@ -101,19 +159,16 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
             state["sentences"] += len(keep)
         else:
             state["pending_start"] = state["pending_start"] or bool(c[-1] > 0)
-        bar.update(len(texts))
+        bar.update(len(flags))
 
-    texts: list[str] = []
-    flags: list[bool] = []
     try:
-        for flag, text in sentences:
-            texts.append(text)
-            flags.append(flag)
-            if len(texts) >= batch_size:
-                flush(texts, flags)
-                texts, flags = [], []
-        if texts:
-            flush(texts, flags)
+        for ids, lens, flags in _encoded(sentences, tokenizer, dtype, batch_size, num_proc):
+            write(ids, lens, flags)
+    except BaseException:
+        for f in (ftok, fsent, fdoc):
+            f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         bar.close()
     np.array([state["sentences"]], np.int64).tofile(fdoc)
@@ -127,6 +182,8 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
             "num_documents": state["documents"]}
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.rename(tmp, directory)
+    try:
+        os.rename(tmp, directory)
+    except OSError:   # another host finished the same (identical) tokenization first
+        shutil.rmtree(tmp, ignore_errors=True)
     return TokenStore.open(directory)
