@@ -2,13 +2,13 @@
 
 BERT's normalizer (clean-up, accent stripping, lower-casing) works character by character and
 its pre-tokenizer always splits at a space, so the ids of a sentence are exactly the ids of its
-``text.split(" ")`` chunks, concatenated.  Natural text repeats its words (Zipf): a 6 MB
-book corpus has 1.2 M chunks but only ~60 k distinct ones, so encoding each distinct chunk once
-with the Rust tokenizer and gathering the rest in numpy is several times faster than encoding
-every sentence.  The cache is bounded (it is cleared when full), so memory does not grow with the
-corpus.  Tokenizers whose pipeline does not split at spaces this way (a byte-level or Metaspace
-pre-tokenizer, say) fall back to plain `encode_batch_fast`.  Exactness is tested against
-`encode_batch` on real text.
+``text.split(" ")`` chunks, concatenated.  Natural text repeats its words (Zipf): the 6 MB
+Gutenberg corpus has 1.2 M chunks but only 94 k distinct ones, so encoding each distinct chunk
+once with the Rust tokenizer and gathering the rest in numpy is ~4x faster than encoding every
+sentence.  The cache is bounded (200 k chunks, ~25 MB; cleared when full), so memory does not
+grow with the corpus.  Tokenizers whose pipeline does not split at spaces this way (a
+byte-level or Metaspace pre-tokenizer, say) fall back to plain `encode_batch_fast`.  Exactness
+is tested against `encode_batch` on real text, accents, CJK and control characters included.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def space_split_is_exact(tokenizer) -> bool:
 class CorpusEncoder:
     """encode(texts) -> (flat ids, per-text lengths), without special tokens."""
 
-    def __init__(self, tokenizer, dtype, max_cache: int = 1_000_000):
+    def __init__(self, tokenizer, dtype, max_cache: int = 200_000):
         self.tokenizer = tokenizer
         self.dtype = np.dtype(dtype)
         self.max_cache = max_cache

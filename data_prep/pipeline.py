@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import sys
+import time
 from typing import Iterator, Optional
 
 import numpy as np
@@ -177,10 +178,20 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_proc))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
+    timings = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 3)
+        clock = now
+
     tok = prepare_tokenizer(cfg.tokenizer, lambda: _sentence_batches(cfg.corpus),
                             os.path.join(out, "tokenizer"), cfg.progress, reuse_saved=resume)
     fingerprint = hashlib.sha256((key + tok.sha256).encode()).hexdigest()[:16]
 
+    lap("tokenizer")
     tokens_dir = os.path.join(work, "tokens")
     if is_complete(tokens_dir):
         store = TokenStore.open(tokens_dir)
@@ -189,6 +200,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
                                 tok.token_dtype, cfg.tokenize_batch_size, cfg.progress,
                                 cfg.num_proc)
 
+    lap("tokenize")
     plan_dir = os.path.join(work, "plan")
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
@@ -225,7 +237,9 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
            "out": out}
     if cfg.progress and len(todo) < len(mine):
         print(f"bert-prep: resuming: {len(mine) - len(todo)} of {len(mine)} shards already done")
+    lap("plan")
     _run_tasks(todo, ctx, cfg.num_proc, cfg.progress)
+    lap("shards")
 
     missing = [t for t in all_shards if not is_done(shard_path(out, *t))]
     if missing:
@@ -233,10 +247,10 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
               f"{len(all_shards) - len(missing)} of {len(all_shards)} shards exist. Once every "
               "host has finished, run the same command without host_index to write the manifest")
         return None
-    return _write_manifest(cfg, out, key, fingerprint, tok, store, plans)
+    return _write_manifest(cfg, out, key, fingerprint, tok, store, plans, timings)
 
 
-def _write_manifest(cfg, out, key, fingerprint, tok, store, plans) -> dict:
+def _write_manifest(cfg, out, key, fingerprint, tok, store, plans, timings) -> dict:
     splits, per_split, all_parts = {}, {}, []
     for s in SPLITS:
         shards, parts = [], []
@@ -271,6 +285,8 @@ def _write_manifest(cfg, out, key, fingerprint, tok, store, plans) -> dict:
                    "num_tokens": store.num_tokens},
         "stats": stats,
         "versions": _versions(),
+        # Seconds per step of the run that wrote the manifest (a resumed run skips steps).
+        "timings_s": timings,
     }
     write_json_atomic(os.path.join(out, "manifest.json"), manifest)
     # The statistics table is the run's report: always printed.
