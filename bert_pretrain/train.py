@@ -19,6 +19,10 @@ from .config import register, settings
 from .errors import UserError
 
 register()
+# conf/ sits next to the package (../conf).  An absolute path, because Hydra resolves a relative
+# config_path against the calling *module* when run as the `bert-train` console script (it then
+# looks for an importable `conf` package) but against the file under `python -m`.
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def _fail(message: str) -> None:
@@ -26,7 +30,7 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _run(cfg: DictConfig) -> float:
     try:
         if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
@@ -39,9 +43,6 @@ def _run(cfg: DictConfig) -> float:
                      OmegaConf.to_yaml(cfg, resolve=True))
     except UserError as exc:
         _fail(str(exc))
-
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
 def _one_line(exc: Exception) -> str:

@@ -271,9 +271,11 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
 
     # ---------------------------------------------------------------- loop
     stop = StopRequest()
-    bar = tqdm(total=tc.max_steps, initial=step, disable=not (main and tc.progress_bar),
-               dynamic_ncols=True, desc="train")
     budget = tc.budget_hours * 3600 if tc.budget_hours else None
+    # In budget mode the bar counts seconds of the budget, so its ETA is the real one.
+    bar = tqdm(total=round(budget) if budget else tc.max_steps,
+               initial=round(elapsed) if budget else step, unit="s" if budget else "step",
+               disable=not (main and tc.progress_bar), dynamic_ncols=True, desc="train")
     nonfinite = 0
     window = torch.zeros(4, dtype=torch.float64)  # loss, mlm, nsp, steps since last log
     window_tokens, window_start = 0, time.perf_counter()
@@ -324,7 +326,7 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
         tokens_seen += int(local[3].item())
         window_tokens += int(local[3].item())
         elapsed = time.perf_counter() - clock
-        bar.update(1)
+        bar.update(min(round(elapsed), round(budget)) - bar.n if budget else 1)
 
         if step % tc.log_every == 0 or step == tc.max_steps:
             now = time.perf_counter()
@@ -339,7 +341,8 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
             if nonfinite:
                 record["nonfinite_steps"] = nonfinite
             metrics.log(record)
-            bar.set_postfix(loss="skipped" if record["loss"] is None else f"{record['loss']:.3f}",
+            bar.set_postfix(step=step,
+                            loss="skipped" if record["loss"] is None else f"{record['loss']:.3f}",
                             lr=f"{lr:.2e}",
                             tok_s=f"{record['tokens_per_s']:.0f}")
             window.zero_()
