@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -49,7 +50,8 @@ def tree_rss(proc: psutil.Process) -> int:
 
 
 def run_prep(args: list[str]) -> dict:
-    """Run bert-prep; wall time and peak RSS of its process tree."""
+    """Run bert-prep; wall time, CPU time and peak RSS of its process tree."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen([BERT_PREP, "progress=false", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -72,7 +74,9 @@ def run_prep(args: list[str]) -> dict:
     th.join()
     if proc.returncode != 0:
         raise SystemExit(f"bert-prep failed: {err[-2000:]}")
-    return {"wall_s": wall, "peak_rss_bytes": peak[0]}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": peak[0]}
 
 
 def train_vocab(corpus: str, work: str) -> tuple[str, float]:
@@ -119,10 +123,12 @@ def main() -> None:
         rows = []
         for df, npr in configs:
             wall = statistics.median(x["wall_s"] for x in runs[(df, npr)])
+            cpu = statistics.median(x["cpu_s"] for x in runs[(df, npr)])
             rss = max(x["peak_rss_bytes"] for x in runs[(df, npr)])
             ips = n_inst[(df, npr)] / wall
             rows.append({"dupe_factor": df, "num_proc": npr, "instances": n_inst[(df, npr)],
-                         "wall_s": round(wall, 3), "instances_per_s": round(ips),
+                         "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
+                         "instances_per_s": round(ips),
                          "mb_per_s": round(mb / wall, 3),
                          "peak_rss_gb": round(rss / 1e9, 3),
                          "vs_google_instances_per_s": round(ips / GOOGLE[df]["instances_per_s"], 2),
@@ -143,6 +149,8 @@ def main() -> None:
                     n = json.load(f)["stats"]["num_instances"]
                 scaling.append({"corpus": label, "corpus_mb": round(os.path.getsize(path) / 1e6, 1),
                                 "instances": n, "wall_s": round(res["wall_s"], 2),
+                                "cpu_s": round(res["cpu_s"], 2),
+                                "instances_per_s": round(n / res["wall_s"]),
                                 "peak_rss_gb": round(res["peak_rss_bytes"] / 1e9, 3)})
                 shutil.rmtree(out)
     finally:
@@ -150,21 +158,25 @@ def main() -> None:
 
     print(f"\nbert-prep on {os.path.basename(corpus)} ({mb:.1f} MB), given vocab.txt, "
           f"median of {repeats} run(s), end to end (a fresh bert-prep process)")
-    head = (f"{'dupe':>4} {'proc':>4} {'instances':>10} {'wall s':>7} {'inst/s':>8} "
+    head = (f"{'dupe':>4} {'proc':>4} {'instances':>10} {'wall s':>7} {'CPU s':>6} {'inst/s':>8} "
             f"{'MB/s':>6} {'peak RSS GB':>11} {'x Google inst/s':>15} {'target':>6}")
     print(head)
     for r in rows:
         tgt = f">={r['target_ratio']}x" if r["target_ratio"] else ""
         print(f"{r['dupe_factor']:>4} {r['num_proc']:>4} {r['instances']:>10,} "
-              f"{r['wall_s']:>7.2f} {r['instances_per_s']:>8,} {r['mb_per_s']:>6.2f} "
+              f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['instances_per_s']:>8,} "
+              f"{r['mb_per_s']:>6.2f} "
               f"{r['peak_rss_gb']:>11.3f} {r['vs_google_instances_per_s']:>14.2f}x {tgt:>6}")
     print(f"Google (MEASUREMENTS.md): dupe 1: 1,421 inst/s, 0.68 GB; dupe 10: 3,203 inst/s, "
-          f"3.9 GB")
+          f"3.9 GB.  Load average during the runs: {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} CPUs (wall times need a quiet machine; CPU s is the process "
+          f"tree's user+system time)")
     if scaling:
         print("\npeak RSS vs corpus size (dupe_factor 10, num_proc 2)")
         for s in scaling:
             print(f"  {s['corpus']}: {s['corpus_mb']:>5} MB  {s['instances']:>9,} instances  "
-                  f"{s['wall_s']:>6.2f} s  peak RSS {s['peak_rss_gb']:.3f} GB")
+                  f"{s['wall_s']:>6.2f} s ({s['instances_per_s']:,} inst/s, CPU "
+                  f"{s['cpu_s']:.2f} s)  peak RSS {s['peak_rss_gb']:.3f} GB")
     result = {"corpus": corpus, "corpus_mb": round(mb, 2), "cpus": os.cpu_count(),
               "load_avg_1m": os.getloadavg()[0],
               "tokenizer_training_s": round(train_s, 2), "runs": rows, "rss_scaling": scaling,

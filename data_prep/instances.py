@@ -23,6 +23,7 @@ What we do differently, on purpose:
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,31 +56,25 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
     r_draw, r_start, r_target = [], [], []   # random-next B is resolved after the loop
     debt = 0   # instances forced to random-next, still to be given back as actual-next
     n_docs = len(split_docs)
+    sent_off = np.asarray(sent_off)           # plain ndarray views: no memmap indexing overhead
+    pieces = np.asarray(pieces)
+    doc_ends = np.asarray(doc_off)[pieces[:, 0] + 1].tolist() if len(pieces) else []
 
-    def draw_target() -> int:
-        if u() < short_seq_prob:
-            return 2 + int(u() * (max_tokens - 1))
-        return max_tokens
-
-    for d, s0, s1 in pieces.tolist():
+    for (d, s0, s1), doc_end in zip(pieces.tolist(), doc_ends):
         off = sent_off[s0:s1 + 1].tolist()  # off[k]: token offset of sentence s0 + k
         n = s1 - s0
-        doc_end = None
-        target = draw_target()
-        start = i = 0
-        while i < n:
-            if i < n - 1 and off[i + 1] - off[start] < target:
-                i += 1
-                continue
+        start = 0
+        while start < n:
+            target = max_tokens if u() >= short_seq_prob else 2 + int(u() * (max_tokens - 1))
+            # The chunk grows sentence by sentence until it reaches the target length or the
+            # end of the piece: its last sentence i is found by bisection.
+            i = bisect_left(off, off[start] + target, start + 1) - 1
+            if i >= n:
+                i = n - 1
             n_chunk = i - start + 1
             a_end = start + 1 if n_chunk == 1 else start + 1 + int(u() * (n_chunk - 1))
             random_next = u() < random_next_prob
-            if n_chunk >= 2:
-                can_follow = True
-            else:
-                if doc_end is None:
-                    doc_end = int(doc_off[d + 1])
-                can_follow = s0 + i + 1 < doc_end
+            can_follow = n_chunk >= 2 or s0 + i + 1 < doc_end
             if random_next and debt > 0 and can_follow:
                 random_next, debt = False, debt - 1
             elif not random_next and not can_follow:
@@ -94,22 +89,22 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
                 r_target.append(target - (off[a_end] - off[start]))
                 b0.append(-1)
                 b1.append(-1)
-                start = i = a_end          # the unused sentences go back to the document
+                start = a_end              # the unused sentences go back to the document
             elif n_chunk >= 2:
                 b0.append(off[a_end])
                 b1.append(off[i + 1])
-                start = i = i + 1
+                start = i + 1
             else:
                 # One long sentence: B is the following sentences of the same document, up to
                 # the target length (at least one sentence), possibly past this unit's piece.
                 first = s0 + i + 1
-                want = int(sent_off[first]) + max(target - (off[i + 1] - off[start]), 1)
+                b_first = int(sent_off[first])
+                want = b_first + max(target - (off[i + 1] - off[start]), 1)
                 end = int(np.searchsorted(sent_off, want, side="left"))
                 end = min(max(end, first + 1), doc_end)
-                b0.append(int(sent_off[first]))
+                b0.append(b_first)
                 b1.append(int(sent_off[end]))
-                start = i = end - s0
-            target = draw_target()
+                start = end - s0
 
     a0, a1 = np.array(a0, np.int64), np.array(a1, np.int64)
     b0, b1 = np.array(b0, np.int64), np.array(b1, np.int64)

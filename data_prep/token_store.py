@@ -99,9 +99,15 @@ def _batches(sentences, batch_size: int):
 
 
 def _encoded(sentences, tokenizer, dtype: str, batch_size: int, num_proc: int):
-    """(ids, lengths, flags) per batch, in corpus order.  With num_proc > 1 the batches are
-    encoded in worker processes, at most 2 per worker in flight so memory stays bounded."""
-    if num_proc <= 1:
+    """(ids, lengths, flags) per batch, in corpus order.
+
+    Up to 2 processes, the batches are encoded here, the Rust tokenizer using num_proc threads
+    for the distinct chunks: measured on 2 cores, this costs 30% less CPU than 2 worker
+    processes (which each warm their own chunk cache and pickle their batches) and is faster
+    under load.  With more processes, the Python side of encoding becomes the bottleneck, and
+    the batches go to num_proc worker processes, at most 2 per worker in flight so memory
+    stays bounded.  The output is identical either way."""
+    if num_proc <= 2:
         from data_prep.encoder import CorpusEncoder
         encoder = CorpusEncoder(tokenizer, dtype)
         for texts, flags in _batches(sentences, batch_size):
