@@ -138,11 +138,12 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(run_dir)
+        kept = f"the previous checkpoint {previous} is intact" if previous else \
+            "no earlier checkpoint exists"
         barrier()
         raise CheckpointError(
-            f"could not save checkpoint step {step} in {root} ({exc.strerror or exc}); "
-            f"{'the previous checkpoint ' + previous + ' is intact' if previous else 'no earlier checkpoint exists'}"
-            f"; free disk space and rerun with resume=auto"
+            f"could not save checkpoint step {step} in {root} ({exc.strerror or exc}); {kept}; "
+            f"free disk space and rerun with resume=auto"
         ) from None
     for _, path in list_checkpoints(run_dir)[:-keep_last_k] if keep_last_k > 0 else []:
         shutil.rmtree(path, ignore_errors=True)

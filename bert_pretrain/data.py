@@ -145,7 +145,8 @@ class PreparedData:
             self.masking = m.get("masking", {})
             splits = m["splits"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise DataError(f"{manifest_path} lacks a required key ({exc}); re-run bert-prep") from None
+            raise DataError(f"{manifest_path} lacks a required key ({exc}); re-run bert-prep") \
+                from None
         self._splits_info = splits
         self._split_cache: dict = {}
 

@@ -148,6 +148,15 @@ def evaluate(model, accelerator, batches) -> dict:
             "eval_nsp_loss": sums[3].item() / nsp_n, "eval_nsp_accuracy": sums[4].item() / nsp_n}
 
 
+def majority_baseline(data, split_name: str) -> float:
+    """MLM accuracy of always predicting the most frequent masked token of the held-out split:
+    the bar a model must clear to have learned anything beyond unigram frequencies."""
+    shards = data.split(split_name).shards
+    labels = [shard["masked_labels"][shard["masked_positions"][:] > 0] for shard in shards]
+    counts = np.bincount(np.concatenate(labels).astype(np.int64))
+    return float(counts.max() / max(counts.sum(), 1))
+
+
 def _find_resume(resume: str, run_dir: str) -> Optional[str]:
     from .checkpoint import latest_checkpoint, list_checkpoints
 
@@ -374,7 +383,9 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     if main:
         print(f"bert-train: {'stopped' if stopped_early else 'finished'} at step {step}: "
               f"eval MLM loss {result['eval_mlm_loss']:.4f}, MLM accuracy "
-              f"{result['eval_mlm_accuracy']:.4f}, NSP accuracy {result['eval_nsp_accuracy']:.4f}")
+              f"{result['eval_mlm_accuracy']:.4f} (always predicting the most frequent token: "
+              f"{majority_baseline(data, s.data.eval_split):.4f}), NSP accuracy "
+              f"{result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
         print(f"  checkpoint: {final}")
         print(f"  metrics:    {metrics.path}")
         print(f"  logs:       {os.path.join(run_dir, 'train.log')} (Hydra), config in "

@@ -84,7 +84,8 @@ def test_user_errors_are_one_line_exit_2(tmp_path, synthetic):
          "did you mean trainer.max_steps?"),
         (["experiment=smoke", f"data.dir={synthetic}", "trainer.mixed_precision=fp8"],
          "trainer.mixed_precision must be one of no, bf16, fp16"),
-        (["experiment=smoke", f"data.dir={synthetic}", "optim=sgd"], "Available options in 'optim'"),
+        (["experiment=smoke", f"data.dir={synthetic}", "optim=sgd"],
+         "Available options in 'optim'"),
     ]
     for args, message in cases:
         r = run_bert_train(args + [f"run_dir={tmp_path / 'r'}"], cwd=str(tmp_path))

@@ -53,7 +53,10 @@ def write_prepared(root: str, num_train: int = 96, num_valid: int = 24, seq: int
                 orig = toks.copy()
                 for j in chosen:
                     r = rng.random()
-                    toks[j] = 4 if r < 0.8 else (rng.integers(5, vocab_size) if r < 0.9 else toks[j])
+                    if r < 0.8:
+                        toks[j] = 4
+                    elif r >= 0.9:
+                        toks[j] = rng.integers(5, vocab_size)
                 ids[i, :length] = toks
                 lengths[i], seg_a[i] = length, la + 2
                 mpos[i, :k], mlab[i, :k] = chosen, orig[chosen]
