@@ -32,9 +32,9 @@ def _fail(message: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _run(cfg: DictConfig) -> float:
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            # Each sweep member trains in its own Hydra sweep subdirectory.
+        if multirun:  # each sweep member trains in its own Hydra sweep subdirectory
             cfg.run_dir = HydraConfig.get().runtime.output_dir
         s = settings(cfg)
         from .trainer import train
@@ -42,6 +42,11 @@ def _run(cfg: DictConfig) -> float:
         return train(s, OmegaConf.to_container(cfg, resolve=True),
                      OmegaConf.to_yaml(cfg, resolve=True))
     except UserError as exc:
+        if multirun:
+            # Let the sweeper record this member as failed and go on with the others (Optuna
+            # counts it against max_failure_rate); exiting here would end the whole sweep.
+            print(f"bert-train: error: {exc}", file=sys.stderr, flush=True)
+            raise
         _fail(str(exc))
 
 

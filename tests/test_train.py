@@ -181,3 +181,40 @@ def test_wandb_offline_writes_a_run_directory(tmp_path, synthetic, monkeypatch):
     assert len(runs) == 1, os.listdir(run)
     assert glob.glob(os.path.join(runs[0], "run-*.wandb"))
     assert os.path.isfile(os.path.join(run, "wandb_run_id"))
+
+
+def test_eval_metrics_dense_and_sparse_heads_agree_with_a_direct_computation(synthetic):
+    """evaluate() handles the sparse head ([M, V] logits + mlm_labels) and the dense one
+    ([B, L, V]); both equal a hand computation over every labelled position."""
+    from accelerate import Accelerator
+
+    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
+    from bert_pretrain.trainer import evaluate
+
+    cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    sparse = BertForPreTraining(cfg, ModelImpl(sparse_prediction=True))
+    dense = BertForPreTraining(cfg, ModelImpl(sparse_prediction=False))
+    dense.load_state_dict(sparse.state_dict())
+    data = PreparedData(synthetic)
+    batches = list(eval_batches(data, DataConfig(dir=synthetic), 3, 1, 0, None))
+    accelerator = Accelerator(cpu=True)
+    a, b = evaluate(sparse, accelerator, batches), evaluate(dense, accelerator, batches)
+    for key in a:
+        assert a[key] == pytest.approx(b[key], abs=1e-5), key
+    loss = correct = count = nsp_correct = 0.0
+    with torch.no_grad():
+        for batch in batches:
+            out = dense.eval()(**{k: v for k, v in batch.items() if k != "num_tokens"})
+            keep = batch["labels"] != -100
+            logits, labels = out.prediction_logits[keep], batch["labels"][keep]
+            loss += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+            correct += (logits.argmax(-1) == labels).sum().item()
+            count += labels.numel()
+            nsp_correct += (out.seq_relationship_logits.argmax(-1)
+                            == batch["next_sentence_label"]).sum().item()
+    assert a["eval_mlm_loss"] == pytest.approx(loss / count, rel=1e-5)
+    assert a["eval_mlm_accuracy"] == pytest.approx(correct / count)
+    assert a["eval_nsp_accuracy"] == pytest.approx(nsp_correct / 8)
