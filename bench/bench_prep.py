@@ -7,7 +7,8 @@
    tokenization, instances, shards and manifest all counted) for num_proc 1 and 2 at
    dupe_factor 1 and 10, alternating the configurations so machine load hits all alike, and
    reports instances/s, corpus MB/s, wall time and peak RSS of the whole process tree (sampled
-   every 20 ms, workers included).
+   every 30 ms, workers included: RSS summed, and PSS, which counts pages shared between
+   fork()ed workers once).
 3. Peak RSS at two corpus sizes (the corpus once and 4 times) to show memory does not grow.
 Google's figures (from ../shared/MEASUREMENTS.md, same 2-core machine type, 20 MB Wikipedia
 sample): dupe_factor 1: 1,421 instances/s, 0.68 GB peak; dupe_factor 10: 3,203 instances/s,
@@ -39,14 +40,18 @@ TARGET = {1: 4, 10: 10}
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
 
 
-def tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) over the process and its workers.  RSS counts pages shared by
+    fork()ed workers once per process; PSS splits them among the sharers (the honest total)."""
+    rss = pss = 0
     for p in [proc] + proc.children(recursive=True):
         try:
-            total += p.memory_info().rss
+            m = p.memory_full_info()
+            rss += m.rss
+            pss += getattr(m, "pss", m.rss)
         except psutil.Error:
             pass
-    return total
+    return rss, pss
 
 
 def run_prep(args: list[str]) -> dict:
@@ -56,16 +61,17 @@ def run_prep(args: list[str]) -> dict:
     proc = subprocess.Popen([BERT_PREP, "progress=false", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     ps = psutil.Process(proc.pid)
-    peak = [0]
+    peak = [0, 0]
     done = threading.Event()
 
     def sample():
         while not done.is_set():
             try:
-                peak[0] = max(peak[0], tree_rss(ps))
+                rss, pss = tree_memory(ps)
+                peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
             except psutil.Error:
                 pass
-            time.sleep(0.02)
+            time.sleep(0.03)
     th = threading.Thread(target=sample, daemon=True)
     th.start()
     out, err = proc.communicate()
@@ -76,7 +82,7 @@ def run_prep(args: list[str]) -> dict:
         raise SystemExit(f"bert-prep failed: {err[-2000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": peak[0]}
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_bytes": peak[0], "peak_pss_bytes": peak[1]}
 
 
 def train_vocab(corpus: str, work: str) -> tuple[str, float]:
@@ -125,12 +131,13 @@ def main() -> None:
             wall = statistics.median(x["wall_s"] for x in runs[(df, npr)])
             cpu = statistics.median(x["cpu_s"] for x in runs[(df, npr)])
             rss = max(x["peak_rss_bytes"] for x in runs[(df, npr)])
+            pss = max(x["peak_pss_bytes"] for x in runs[(df, npr)])
             ips = n_inst[(df, npr)] / wall
             rows.append({"dupe_factor": df, "num_proc": npr, "instances": n_inst[(df, npr)],
                          "wall_s": round(wall, 3), "cpu_s": round(cpu, 3),
                          "instances_per_s": round(ips),
                          "mb_per_s": round(mb / wall, 3),
-                         "peak_rss_gb": round(rss / 1e9, 3),
+                         "peak_rss_gb": round(rss / 1e9, 3), "peak_pss_gb": round(pss / 1e9, 3),
                          "vs_google_instances_per_s": round(ips / GOOGLE[df]["instances_per_s"], 2),
                          "target_ratio": TARGET[df] if npr == 2 else None,
                          "all_walls_s": [round(x["wall_s"], 3) for x in runs[(df, npr)]]})
@@ -151,7 +158,8 @@ def main() -> None:
                                 "instances": n, "wall_s": round(res["wall_s"], 2),
                                 "cpu_s": round(res["cpu_s"], 2),
                                 "instances_per_s": round(n / res["wall_s"]),
-                                "peak_rss_gb": round(res["peak_rss_bytes"] / 1e9, 3)})
+                                "peak_rss_gb": round(res["peak_rss_bytes"] / 1e9, 3),
+                                "peak_pss_gb": round(res["peak_pss_bytes"] / 1e9, 3)})
                 shutil.rmtree(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -159,14 +167,15 @@ def main() -> None:
     print(f"\nbert-prep on {os.path.basename(corpus)} ({mb:.1f} MB), given vocab.txt, "
           f"median of {repeats} run(s), end to end (a fresh bert-prep process)")
     head = (f"{'dupe':>4} {'proc':>4} {'instances':>10} {'wall s':>7} {'CPU s':>6} {'inst/s':>8} "
-            f"{'MB/s':>6} {'peak RSS GB':>11} {'x Google inst/s':>15} {'target':>6}")
+            f"{'MB/s':>6} {'RSS GB':>6} {'PSS GB':>6} {'x Google inst/s':>15} {'target':>6}")
     print(head)
     for r in rows:
         tgt = f">={r['target_ratio']}x" if r["target_ratio"] else ""
         print(f"{r['dupe_factor']:>4} {r['num_proc']:>4} {r['instances']:>10,} "
               f"{r['wall_s']:>7.2f} {r['cpu_s']:>6.2f} {r['instances_per_s']:>8,} "
               f"{r['mb_per_s']:>6.2f} "
-              f"{r['peak_rss_gb']:>11.3f} {r['vs_google_instances_per_s']:>14.2f}x {tgt:>6}")
+              f"{r['peak_rss_gb']:>6.3f} {r['peak_pss_gb']:>6.3f} "
+              f"{r['vs_google_instances_per_s']:>14.2f}x {tgt:>6}")
     print(f"Google (MEASUREMENTS.md): dupe 1: 1,421 inst/s, 0.68 GB; dupe 10: 3,203 inst/s, "
           f"3.9 GB.  Load average during the runs: {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} CPUs (wall times need a quiet machine; CPU s is the process "
@@ -176,7 +185,8 @@ def main() -> None:
         for s in scaling:
             print(f"  {s['corpus']}: {s['corpus_mb']:>5} MB  {s['instances']:>9,} instances  "
                   f"{s['wall_s']:>6.2f} s ({s['instances_per_s']:,} inst/s, CPU "
-                  f"{s['cpu_s']:.2f} s)  peak RSS {s['peak_rss_gb']:.3f} GB")
+                  f"{s['cpu_s']:.2f} s)  peak RSS {s['peak_rss_gb']:.3f} GB, "
+                  f"PSS {s['peak_pss_gb']:.3f} GB")
     result = {"corpus": corpus, "corpus_mb": round(mb, 2), "cpus": os.cpu_count(),
               "load_avg_1m": os.getloadavg()[0],
               "tokenizer_training_s": round(train_s, 2), "runs": rows, "rss_scaling": scaling,

@@ -88,13 +88,23 @@ _W: dict = {}
 def _init_worker(ctx: dict) -> None:
     _W.clear()
     _W.update(ctx)
-    _W["store"] = TokenStore.open(ctx["tokens_dir"])
-    _W["plans"] = {s: SplitPlan.load(ctx["plan_dir"], s, ctx["dupes"][s]) for s in SPLITS}
 
 
 def _build_shard(task: tuple[str, int]) -> tuple[str, int, dict]:
+    # The memory maps are opened per shard and closed after it: the pages a shard touched
+    # (its unit and its random-next segments, anywhere in the corpus) leave the process's
+    # resident set, so a long-running worker does not grow towards the corpus size.
+    store = TokenStore.open(_W["tokens_dir"])
+    plan = SplitPlan.load(_W["plan_dir"], task[0], _W["dupes"][task[0]])
+    try:
+        return _build_shard_from(task, store, plan)
+    finally:
+        del store, plan
+
+
+def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, int, dict]:
     split, index = task
-    p, store, plan = _W["params"], _W["store"], _W["plans"][split]
+    p = _W["params"]
     unit, dupe = plan.shard(index)
     rng = np.random.default_rng(np.random.SeedSequence(
         [p["seed"], SPLIT_IDS[split], unit, dupe]))
@@ -214,6 +224,9 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
             os.rename(tmp, plan_dir)
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+    counts = {"num_documents": store.num_documents, "num_sentences": store.num_sentences,
+              "num_tokens": store.num_tokens}
+    del store   # unmap: the workers open their own views, shard by shard
     dupes = {"train": cfg.dupe_factor, "validation": 1}
     plans = {s: SplitPlan.load(plan_dir, s, dupes[s]) for s in SPLITS}
 
@@ -247,10 +260,10 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
               f"{len(all_shards) - len(missing)} of {len(all_shards)} shards exist. Once every "
               "host has finished, run the same command without host_index to write the manifest")
         return None
-    return _write_manifest(cfg, out, key, fingerprint, tok, store, plans, timings)
+    return _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings)
 
 
-def _write_manifest(cfg, out, key, fingerprint, tok, store, plans, timings) -> dict:
+def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> dict:
     splits, per_split, all_parts = {}, {}, []
     for s in SPLITS:
         shards, parts = [], []
@@ -281,8 +294,7 @@ def _write_manifest(cfg, out, key, fingerprint, tok, store, plans, timings) -> d
                     "max_predictions_per_seq": cfg.max_predictions_per_seq},
         "seed": cfg.seed, "dupe_factor": cfg.dupe_factor,
         "config": cfg.to_dict(),
-        "counts": {"num_documents": store.num_documents, "num_sentences": store.num_sentences,
-                   "num_tokens": store.num_tokens},
+        "counts": counts,
         "stats": stats,
         "versions": _versions(),
         # Seconds per step of the run that wrote the manifest (a resumed run skips steps).

@@ -15,6 +15,7 @@ are ~15%); split such books into chapters, or set validation_fraction=0.
 from __future__ import annotations
 
 import os
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,30 +81,36 @@ def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int) -
 
 
 def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tuple:
-    """Greedy cut of the split's documents (in order) into units of ~tokens_per_unit tokens."""
-    sent_off, doc_off = store.sent_off, store.doc_off
-    pieces: list[tuple[int, int, int]] = []
-    unit_off = [0]
+    """Greedy cut of the split's documents (in order) into units of ~tokens_per_unit tokens.
+    Pieces are collected in compact int64 arrays (24 bytes per piece), not Python tuples."""
+    sent_off, doc_off = np.asarray(store.sent_off), np.asarray(store.doc_off)
+    p_doc, p_first, p_end = array("q"), array("q"), array("q")
+    unit_off = array("q", [0])
     filled = 0
-    doc_first = np.asarray(doc_off[docs])
-    doc_end = np.asarray(doc_off[docs + 1])
-    for d, s0, s1 in zip(docs.tolist(), doc_first.tolist(), doc_end.tolist()):
-        while s0 < s1:
-            room = tokens_per_unit - filled
-            if int(sent_off[s1] - sent_off[s0]) <= room:
-                cut = s1
-            else:  # cut inside the document at the first sentence boundary past the room
-                cut = int(np.searchsorted(sent_off, sent_off[s0] + room, side="left"))
-                cut = min(max(cut, s0 + 1), s1)
-            pieces.append((d, s0, cut))
-            filled += int(sent_off[cut] - sent_off[s0])
-            s0 = cut
-            if filled >= tokens_per_unit:
-                unit_off.append(len(pieces))
-                filled = 0
-    if unit_off[-1] != len(pieces):
-        unit_off.append(len(pieces))
-    return (np.array(pieces, np.int64).reshape(-1, 3), np.array(unit_off, np.int64))
+    for lo in range(0, len(docs), 1 << 16):           # documents in blocks: bounded temporaries
+        block = np.asarray(docs[lo:lo + (1 << 16)], np.int64)
+        firsts, ends = doc_off[block].tolist(), doc_off[block + 1].tolist()
+        for d, s0, s1 in zip(block.tolist(), firsts, ends):
+            while s0 < s1:
+                room = tokens_per_unit - filled
+                if int(sent_off[s1] - sent_off[s0]) <= room:
+                    cut = s1
+                else:  # cut inside the document at the first sentence boundary past the room
+                    cut = int(np.searchsorted(sent_off, sent_off[s0] + room, side="left"))
+                    cut = min(max(cut, s0 + 1), s1)
+                p_doc.append(d)
+                p_first.append(s0)
+                p_end.append(cut)
+                filled += int(sent_off[cut] - sent_off[s0])
+                s0 = cut
+                if filled >= tokens_per_unit:
+                    unit_off.append(len(p_doc))
+                    filled = 0
+    if unit_off[-1] != len(p_doc):
+        unit_off.append(len(p_doc))
+    pieces = np.stack([np.frombuffer(a, np.int64) if len(a) else np.zeros(0, np.int64)
+                       for a in (p_doc, p_first, p_end)], axis=1)
+    return pieces, np.frombuffer(unit_off, np.int64).copy()
 
 
 def make_plan(store: TokenStore, validation_fraction: float, tokens_per_shard: int,
