@@ -403,10 +403,15 @@ class TrainStream:
 
 def eval_batches(data: PreparedData, cfg: DataConfig, batch_size: int, world_size: int,
                  rank: int, max_samples: Optional[int]):
-    """The held-out split in file order with its static masks, split over ranks (no padding
-    duplicates: ranks may get one batch fewer, the metrics are token-weighted sums)."""
+    """The held-out split with its static masks (comparable across runs), split over ranks (no
+    padding duplicates: ranks may get one batch fewer, the metrics are token-weighted sums).
+    With max_samples, an evenly spaced subset: instances are stored in document order, so the
+    first N would all come from the first few documents."""
     split = data.split(cfg.eval_split)
-    n = split.num_instances if max_samples is None else min(max_samples, split.num_instances)
-    for start in range(rank * batch_size, n, world_size * batch_size):
-        idx = np.arange(start, min(start + batch_size, n), dtype=np.int64)
-        yield collate(split.gather(idx), cfg.pad_to_multiple_of)
+    total = split.num_instances
+    if max_samples is None or max_samples >= total:
+        chosen = np.arange(total, dtype=np.int64)
+    else:
+        chosen = np.floor(np.arange(max_samples) * (total / max_samples)).astype(np.int64)
+    for start in range(rank * batch_size, len(chosen), world_size * batch_size):
+        yield collate(split.gather(chosen[start:start + batch_size]), cfg.pad_to_multiple_of)

@@ -217,4 +217,8 @@ def test_eval_batches_cover_split_once_across_ranks(prepared):
     two = [b for r in range(2) for b in eval_batches(data, cfg, 3, 2, r, None)]
     assert sorted(_rows(one)) == sorted(_rows(two))
     assert sum(len(b["input_ids"]) for b in one) == 10
-    assert sum(len(b["input_ids"]) for b in eval_batches(data, cfg, 4, 1, 0, 6)) == 6
+    subset = list(eval_batches(data, cfg, 4, 1, 0, 6))
+    assert sum(len(b["input_ids"]) for b in subset) == 6
+    # evenly spaced over the split, not its first 6 rows
+    expected = collate(data.split("validation").gather(np.array([0, 1, 3, 5, 6, 8])), 8)
+    assert _rows(subset) == _rows([expected])
