@@ -100,6 +100,12 @@ def test_hf_sources(hf_sources, kind, streaming):
     assert len(_docs(cfg)) == 4
 
 
+def test_hf_lines_mode(hf_sources):
+    docs = _docs(HFCorpusConfig(name=str(hf_sources / "saved"), sentence_split="lines"))
+    assert docs[0] == ["Document 0 starts here. It talks about topic 0.",
+                       "Its second paragraph has more words in it. The end of 0."]
+
+
 def test_hf_errors(hf_sources):
     d = hf_sources
     with pytest.raises(PrepError, match=r"text_column='body' is not a column .*\['id', 'text'\]"):

@@ -121,3 +121,46 @@ def test_trained_vocab_prep_end_to_end(prep_compose, prep_gutenberg_small, tmp_p
     import hashlib
     assert m["tokenizer"]["sha256"] == hashlib.sha256(
         (tmp_path / "tokenizer" / "vocab.txt").read_bytes()).hexdigest()
+
+
+def test_google_style_vocab_layout_and_int32_ids(prep_compose, prep_tagged, tmp_path):
+    """Google's vocab layout ([PAD] 0, [unused*], [UNK] 100, [CLS] 101 ...), grown past 65,536
+    entries: ids are stored as int32, the special ids come from the vocab, and no [unusedN] is
+    ever predicted or inserted as a random replacement."""
+    from prep_arrays import load_manifest, load_split
+    corpus, _ = prep_tagged
+    tokens = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]",
+                                                                 "[MASK]"]
+    tokens += [f"d{i}" for i in range(40)] + [f"k{i}" for i in range(40)]
+    tokens += [f"filler{i}" for i in range(70000)]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={out}",
+                     f"tokenizer.vocab_file={vocab}", "max_seq_length=64", "dupe_factor=3"))
+    m = load_manifest(out)
+    assert m["token_dtype"] == "int32" and m["vocab_size"] == len(tokens)
+    assert m["special_token_ids"] == {"pad": 0, "unk": 99 + 1, "cls": 101, "sep": 102,
+                                      "mask": 103}
+    a = load_split(out)
+    assert a["input_ids"].dtype == np.int32 and a["masked_labels"].dtype == np.int32
+    assert (a["input_ids"][:, 0] == 101).all()
+    assert not ((a["input_ids"] >= 1) & (a["input_ids"] <= 99)).any()     # no [unusedN]
+    sel = a["masked_positions"] > 0
+    assert (a["masked_labels"][sel] >= 104).all()
+    # Random replacements do reach the large ids.
+    assert (a["input_ids"] >= 65536).any()
+
+
+def test_sentences_without_tokens_are_dropped_documents_kept(tmp_path, trained):
+    from data_prep.token_store import tokenize_corpus
+    _, pt = trained[True]
+    stream = [(True, "first doc one."), (False, "\x07"), (False, "first doc two."),
+              (True, "\x07\x07"), (False, "second doc, after an empty first sentence."),
+              (True, "\x08"),                            # a document with no token at all
+              (True, "third doc.")]
+    for batch in (1, 2, 100):
+        store = tokenize_corpus(iter(stream), pt.tokenizer, str(tmp_path / f"t{batch}"),
+                                "uint16", batch, progress=False)
+        assert store.num_sentences == 4 and store.num_documents == 3
+        assert store.doc_off.tolist() == [0, 2, 3, 4]
