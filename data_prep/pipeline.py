@@ -173,6 +173,11 @@ def run(cfg: PrepConfig) -> Optional[dict]:
 def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     work = os.path.join(out, ".work")
     ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus)}
+    inside = [f[0] for f in ident["corpus"].get("files", [])
+              if os.path.commonpath([f[0], out]) == out]
+    if inside:
+        raise PrepError(f"corpus.paths includes files inside output_dir ({inside[0]}): put "
+                        "output_dir outside the corpus directories")
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     done = _prepare_output_dir(cfg, out, key)
     if done is not None:

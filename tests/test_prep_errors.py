@@ -107,3 +107,12 @@ def test_output_dir_that_is_not_ours_is_never_touched(prep_compose, tmp_path):
         run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]",
                          f"output_dir={tmp_path / 'out'}", "overwrite=true"))
     assert (tmp_path / "out" / "precious.txt").read_text() == "keep me"
+
+
+def test_output_dir_inside_the_corpus(prep_compose, tmp_path):
+    _text(tmp_path, "c.txt", "a b.\n\nc d.\n\ne f.\n\ng h.\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "manifest.json").write_text("{}")
+    with pytest.raises(PrepError, match="includes files inside output_dir"):
+        run(prep_compose("corpus=text", f"corpus.paths=[{tmp_path}]",
+                         f"output_dir={tmp_path / 'out'}"))
