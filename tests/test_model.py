@@ -12,7 +12,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl, build_model
 
-PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False)
+PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False)
 
 
 def tiny_config(**kw) -> BertConfig:

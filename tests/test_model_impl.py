@@ -7,7 +7,7 @@ import torch
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
 
-PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False)
+PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False)
 
 
 def tiny_config(**kw) -> BertConfig:
@@ -71,6 +71,7 @@ def twin(cfg, impl, source):
     dict(fused_qkv=True),
     dict(attention="eager"),
     dict(sparse_prediction=True, unpad=True, fused_qkv=True),
+    dict(sparse_prediction=True, unpad=True, fast_dropout=True),
 ], ids=lambda s: "+".join(s))
 @pytest.mark.parametrize("position_type", ["absolute", "relative_key_query"])
 def test_switch_equals_plain_path(switches, position_type):
@@ -147,6 +148,29 @@ def test_dropout_is_active_in_training_only():
         train_losses = {model.train()(**batch).loss.item() for _ in range(3)}
         eval_losses = {model.eval()(**batch).loss.item() for _ in range(3)}
     assert len(train_losses) == 3 and len(eval_losses) == 1
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_fast_dropout_statistics_and_gradient(p):
+    from bert_pretrain.model.dropout import dropout
+
+    torch.manual_seed(0)
+    x = torch.rand(400, 500) + 0.5
+    x.requires_grad_(True)
+    y = dropout(x, p, training=True, fast=True)
+    kept = y != 0
+    n = kept.numel()
+    # Drop fraction within 5 standard errors of p; kept values scaled by 1/(1-p) exactly.
+    assert abs((~kept).float().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5
+    assert torch.allclose(y[kept], x[kept] / (1 - p), rtol=1e-6)
+    y.sum().backward()
+    assert torch.allclose(x.grad, kept.float() / (1 - p), rtol=1e-6)
+    assert dropout(x, p, training=False, fast=True) is x
+    # Same seed, same mask (what checkpointing and seeded training rely on).
+    torch.manual_seed(1)
+    a = dropout(x, p, True, True)
+    torch.manual_seed(1)
+    assert torch.equal(a, dropout(x, p, True, True))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager"])

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import BertConfig, ModelImpl
+from .dropout import dropout
 from .layout import TokenLayout
 
 
@@ -27,6 +28,7 @@ class BertSelfAttention(nn.Module):
         self.dropout_prob = config.attention_probs_dropout_prob
         self.fused_qkv = impl.fused_qkv
         self.attention_impl = impl.attention
+        self.fast_dropout = impl.fast_dropout
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
@@ -71,15 +73,20 @@ class BertSelfAttention(nn.Module):
         if self.position_embedding_type != "absolute":
             bias = self._relative_bias(q, k)
         dropout_p = self.dropout_prob if self.training else 0.0
+        # On CPU, SDPA with dropout runs the unfused math path anyway; the explicit path does the
+        # same work with the cheaper dropout (and one fewer pass for the mask).
+        explicit = (output_attentions or self.attention_impl == "eager"
+                    or (dropout_p > 0 and self.fast_dropout and q.device.type == "cpu"))
         probs = None
-        if output_attentions or self.attention_impl == "eager":
-            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)
+        if explicit:
+            # Scale q (L x d) rather than the scores (L x L); add the mask bias in place.
+            scores = torch.matmul(q * (1.0 / math.sqrt(self.head_size)), k.transpose(-1, -2))
             if bias is not None:
                 scores = scores + bias
             if layout.key_mask is not None:
-                scores = scores.masked_fill(~layout.key_mask, torch.finfo(scores.dtype).min)
+                scores = scores.masked_fill_(~layout.key_mask, torch.finfo(scores.dtype).min)
             probs = torch.softmax(scores, dim=-1)
-            context = torch.matmul(F.dropout(probs, dropout_p, self.training), v)
+            context = torch.matmul(dropout(probs, dropout_p, self.training, self.fast_dropout), v)
         else:
             mask = layout.key_mask
             if bias is not None:

@@ -60,7 +60,7 @@ class BertModel(nn.Module):
         super().__init__()
         self.config = config
         self.impl = impl or ModelImpl()
-        self.embeddings = BertEmbeddings(config)
+        self.embeddings = BertEmbeddings(config, self.impl)
         self.encoder = BertEncoder(config, self.impl)
         self.pooler = BertPooler(config)
 

@@ -159,8 +159,13 @@ class ModelImpl:
     unpad: bool = True
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
     attention product itself."""
-    fused_qkv: bool = True
-    """One [3H, H] projection for query/key/value instead of three (same parameters)."""
+    fused_qkv: bool = False
+    """One [3H, H] projection for query/key/value instead of three (same parameters). Off by
+    default: ~4% slower on CPU (bench/bench_model.py), where the split/permute copies cost more
+    than the one wider GEMM saves; try it on GPUs."""
+    fast_dropout: bool = True
+    """CPU only: dropout masks from raw 31-bit random integers instead of torch's float
+    Bernoulli sampler (same drop probability, ~1.5x cheaper; see dropout.py)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward: less memory, ~1/3 more compute."""
     attention: str = "sdpa"
@@ -168,7 +173,8 @@ class ModelImpl:
     explicit softmax(QK^T)V path (always used when attention maps are requested)."""
 
     def __post_init__(self) -> None:
-        for name in ("sparse_prediction", "unpad", "fused_qkv", "gradient_checkpointing"):
+        for name in ("sparse_prediction", "unpad", "fused_qkv", "fast_dropout",
+                     "gradient_checkpointing"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
         _check(

@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import BertSelfAttention
 from .config import BertConfig, ModelImpl
+from .dropout import Dropout
 from .layout import TokenLayout
 
 
@@ -31,7 +32,7 @@ def activation(name: str):
 class BertEmbeddings(nn.Module):
     """word + position (absolute only) + token type, then LayerNorm and dropout."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, impl: ModelImpl):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                             padding_idx=config.pad_token_id)
@@ -40,7 +41,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob, impl.fast_dropout)
         self.absolute = config.position_embedding_type == "absolute"
         self.max_position_embeddings = config.max_position_embeddings
 
@@ -66,18 +67,18 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, impl: ModelImpl):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob, impl.fast_dropout)
 
 
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig, impl: ModelImpl):
         super().__init__()
         self.self = BertSelfAttention(config, impl)
-        self.output = BertSelfOutput(config)
+        self.output = BertSelfOutput(config, impl)
 
 
 class BertIntermediate(nn.Module):
@@ -91,11 +92,11 @@ class BertIntermediate(nn.Module):
 
 
 class BertOutput(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, impl: ModelImpl):
         super().__init__()
         self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.dropout = Dropout(config.hidden_dropout_prob, impl.fast_dropout)
 
 
 class BertLayer(nn.Module):
@@ -107,7 +108,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(config, impl)
         self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config)
+        self.output = BertOutput(config, impl)
         self.pre_layer_norm = config.pre_layer_norm
 
     def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False):

@@ -52,7 +52,7 @@ class TokenLayout:
         if not self.unpadded:
             return x
         grid = x.new_zeros(self.batch_size * self.seq_len, x.shape[-1])
-        grid = grid.index_copy(0, self.indices, x)
+        grid.index_copy_(0, self.indices, x)  # in place: saves copying the zeros
         return grid.view(self.batch_size, self.seq_len, x.shape[-1])
 
     def from_grid(self, x: torch.Tensor) -> torch.Tensor:
