@@ -235,11 +235,13 @@ def _check_keys(cls, d: dict, prefix: str) -> dict:
         if v is None:
             continue
         want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        bad = ((want in ("int", "Optional[int]") and (not isinstance(v, int) or isinstance(v, bool)))
+        bad = ((want in ("int", "Optional[int]")
+                and (not isinstance(v, int) or isinstance(v, bool)))
                or (want == "float" and not isinstance(v, (int, float)))
                or (want == "bool" and not isinstance(v, bool)))
         if bad:
-            raise PrepError(f"{prefix}{f.name}={v!r} is not a valid {want.replace('Optional[', '').rstrip(']')}")
+            kind = want.replace("Optional[", "").rstrip("]")
+            raise PrepError(f"{prefix}{f.name}={v!r} is not a valid {kind}")
         if want == "float":
             d[f.name] = float(v)
     return d

@@ -21,7 +21,7 @@ from __future__ import annotations
 import codecs
 import glob
 import os
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 from data_prep.config import (BuiltinCorpusConfig, DocumentsCorpusConfig, HFCorpusConfig,
                               TextCorpusConfig)
@@ -30,9 +30,10 @@ from data_prep.errors import PrepError
 Sentence = tuple[bool, str]
 
 
-def resolve_paths(patterns: list[str]) -> list[str]:
+def resolve_paths(patterns: list[str], exclude: Optional[str] = None) -> list[str]:
     """Files named by paths, globs or directories (recursively, hidden files skipped), sorted
-    within each pattern so the corpus order never depends on the file system."""
+    within each pattern so the corpus order never depends on the file system.  Files under
+    `exclude` (the output dir, when it sits inside a corpus directory) are never corpus."""
     files: list[str] = []
     for pattern in patterns:
         pattern = os.path.expanduser(pattern)
@@ -53,6 +54,9 @@ def resolve_paths(patterns: list[str]) -> list[str]:
             files.append(pattern)
         else:
             raise PrepError(f"corpus.paths: no such file or directory: {pattern!r}")
+    if exclude:
+        ex = os.path.abspath(exclude)
+        files = [f for f in files if os.path.commonpath([os.path.abspath(f), ex]) != ex]
     return files
 
 
@@ -85,8 +89,8 @@ def _lines(path: str) -> Iterator[str]:
         raise PrepError(f"{path}: cannot read it ({e.strerror})") from None
 
 
-def read_text(cfg: TextCorpusConfig) -> Iterator[Sentence]:
-    for path in resolve_paths(cfg.paths):
+def read_text(cfg: TextCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sentence]:
+    for path in resolve_paths(cfg.paths, exclude):
         new_doc = True
         for line in _lines(path):
             line = line.strip()
@@ -129,8 +133,9 @@ def _sentences_of_document(paras: Iterable[str]) -> Iterator[Sentence]:
             new_doc = False
 
 
-def read_documents(cfg: DocumentsCorpusConfig) -> Iterator[Sentence]:
-    for path in resolve_paths(cfg.paths):
+def read_documents(cfg: DocumentsCorpusConfig,
+                   exclude: Optional[str] = None) -> Iterator[Sentence]:
+    for path in resolve_paths(cfg.paths, exclude):
         if cfg.document_per == "file":
             yield from _sentences_of_document(p for _, p in paragraphs(_lines(path)))
         else:
@@ -168,7 +173,7 @@ def _load_hf(cfg: HFCorpusConfig):
     return ds
 
 
-def read_hf(cfg: HFCorpusConfig) -> Iterator[Sentence]:
+def read_hf(cfg: HFCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sentence]:
     ds = _load_hf(cfg)
     columns = getattr(ds, "column_names", None)
     if columns is not None and cfg.text_column not in columns:
@@ -199,7 +204,7 @@ def read_hf(cfg: HFCorpusConfig) -> Iterator[Sentence]:
                 yield from _sentences_of_document(p for _, p in paragraphs(text.split("\n")))
 
 
-def read_builtin(cfg: BuiltinCorpusConfig) -> Iterator[Sentence]:
+def read_builtin(cfg: BuiltinCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sentence]:
     from data_prep.builtin_corpus import builtin_documents
     for doc in builtin_documents(cfg.include_topics, cfg.include_docstrings):
         yield from _sentences_of_document(doc)
@@ -209,14 +214,14 @@ READERS = {"text": read_text, "documents": read_documents, "hf": read_hf,
            "builtin": read_builtin}
 
 
-def read_corpus(cfg) -> Iterator[Sentence]:
-    return READERS[cfg.source](cfg)
+def read_corpus(cfg, exclude: Optional[str] = None) -> Iterator[Sentence]:
+    return READERS[cfg.source](cfg, exclude)
 
 
-def fingerprint(cfg) -> dict:
+def fingerprint(cfg, exclude: Optional[str] = None) -> dict:
     """What identifies the input, for the resume check (file sizes and times for files)."""
     if cfg.source in ("text", "documents"):
-        files = resolve_paths(cfg.paths)
+        files = resolve_paths(cfg.paths, exclude)
         return {"files": [[os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p))]
                           for p in files]}
     if cfg.source == "builtin":

@@ -33,9 +33,10 @@ from data_prep.tokenizer import prepare_tokenizer
 FORMAT_VERSION = 1
 
 
-def _sentence_batches(cfg, size: int = 4096) -> Iterator[list[str]]:
+def _sentence_batches(cfg, size: int = 4096, exclude: Optional[str] = None
+                      ) -> Iterator[list[str]]:
     batch: list[str] = []
-    for _, s in corpus_mod.read_corpus(cfg):
+    for _, s in corpus_mod.read_corpus(cfg, exclude):
         batch.append(s)
         if len(batch) >= size:
             yield batch
@@ -172,12 +173,9 @@ def run(cfg: PrepConfig) -> Optional[dict]:
 
 def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     work = os.path.join(out, ".work")
-    ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus)}
-    inside = [f[0] for f in ident["corpus"].get("files", [])
-              if os.path.commonpath([f[0], out]) == out]
-    if inside:
-        raise PrepError(f"corpus.paths includes files inside output_dir ({inside[0]}): put "
-                        "output_dir outside the corpus directories")
+    ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus, out)}
+    if "files" in ident["corpus"] and not ident["corpus"]["files"]:
+        raise PrepError("corpus.paths names no file outside output_dir: check corpus.paths")
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     done = _prepare_output_dir(cfg, out, key)
     if done is not None:
@@ -202,7 +200,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
         timings[name] = round(now - clock, 3)
         clock = now
 
-    tok = prepare_tokenizer(cfg.tokenizer, lambda: _sentence_batches(cfg.corpus),
+    tok = prepare_tokenizer(cfg.tokenizer, lambda: _sentence_batches(cfg.corpus, exclude=out),
                             os.path.join(out, "tokenizer"), cfg.progress, reuse_saved=resume)
     fingerprint = hashlib.sha256((key + tok.sha256).encode()).hexdigest()[:16]
 
@@ -211,9 +209,9 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     if is_complete(tokens_dir):
         store = TokenStore.open(tokens_dir)
     else:
-        store = tokenize_corpus(corpus_mod.read_corpus(cfg.corpus), tok.tokenizer, tokens_dir,
-                                tok.token_dtype, cfg.tokenize_batch_size, cfg.progress,
-                                cfg.num_proc)
+        store = tokenize_corpus(corpus_mod.read_corpus(cfg.corpus, out), tok.tokenizer,
+                                tokens_dir, tok.token_dtype, cfg.tokenize_batch_size,
+                                cfg.progress, cfg.num_proc)
 
     lap("tokenize")
     plan_dir = os.path.join(work, "plan")
