@@ -77,6 +77,21 @@ def _prepare_output_dir(cfg: PrepConfig, out: str, key: str) -> Optional[dict]:
     return None
 
 
+def _file_hash(path: str) -> Optional[str]:
+    """Content hash of a reused vocabulary (a file, or the candidates in a directory), so a
+    vocabulary edited in place is not mistaken for the one a partial prep used."""
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(path, n) for n in ("tokenizer.json", "vocab.txt")
+        if os.path.isfile(os.path.join(path, n))]
+    if not paths:
+        return None      # missing: load_tokenizer reports it
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
 def _any_shard(out: str) -> bool:
     return any(os.path.isdir(os.path.join(out, s)) and any(
         n.startswith("shard-") for n in os.listdir(os.path.join(out, s))) for s in SPLITS)
@@ -176,18 +191,22 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     ident = {"config": cfg.result_dict(), "corpus": corpus_mod.fingerprint(cfg.corpus, out)}
     if "files" in ident["corpus"] and not ident["corpus"]["files"]:
         raise PrepError("corpus.paths names no file outside output_dir: check corpus.paths")
+    if cfg.tokenizer.vocab_file:
+        ident["vocab_sha256"] = _file_hash(os.path.expanduser(cfg.tokenizer.vocab_file))
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     done = _prepare_output_dir(cfg, out, key)
     if done is not None:
-        if cfg.progress:
-            print(f"bert-prep: {cfg.output_dir} is already complete; nothing to do")
+        columns = {s: done["splits"][s]["stats"] for s in SPLITS}
+        print(stats_table({**columns, "all": done["stats"]}))
+        print(f"bert-prep: {cfg.output_dir} is already complete; nothing to do")
         return done
     state = os.path.join(work, "config.json")
     resume = os.path.exists(state)
     if not resume:
         write_json_atomic(state, {"key": key, **ident})
-    # Tokenizer environment: encode_batch uses num_proc Rust threads; our fork()ed workers never
-    # tokenize, so the fork warning of `tokenizers` does not apply.
+    # encode_batch runs on num_proc Rust threads.  Saying so explicitly also silences the
+    # fork warning of `tokenizers`: fork()ed tokenization workers switch parallelism off
+    # themselves (token_store._init_encoder) and shard workers never tokenize.
     os.environ.setdefault("RAYON_NUM_THREADS", str(cfg.num_proc))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
