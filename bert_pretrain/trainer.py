@@ -373,19 +373,23 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
 
     # ---------------------------------------------------------------- the end
     stopped_early = local[4].item() > 0 if step > state["step"] else False
-    if last_eval is None or last_eval[0] != step:
-        last_eval = (step, run_eval())
+    # Preempted: save first (grace periods are short) and skip the final evaluation.
     if last_saved != step:
         final = save()
     else:
         final = os.path.join(ckpt.checkpoints_root(run_dir), f"step-{step:08d}")
-    result = last_eval[1]
+    if not stopped_early and (last_eval is None or last_eval[0] != step):
+        last_eval = (step, run_eval())
+    result = last_eval[1] if last_eval else {"eval_mlm_loss": float("nan")}
     if main:
-        print(f"bert-train: {'stopped' if stopped_early else 'finished'} at step {step}: "
-              f"eval MLM loss {result['eval_mlm_loss']:.4f}, MLM accuracy "
-              f"{result['eval_mlm_accuracy']:.4f} (always predicting the most frequent token: "
-              f"{majority_baseline(data, s.data.eval_split):.4f}), NSP accuracy "
-              f"{result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
+        if last_eval:
+            print(f"bert-train: {'stopped' if stopped_early else 'finished'} at step {step}; "
+                  f"eval at step {last_eval[0]}: MLM loss {result['eval_mlm_loss']:.4f}, MLM "
+                  f"accuracy {result['eval_mlm_accuracy']:.4f} (always predicting the most "
+                  f"frequent token: {majority_baseline(data, s.data.eval_split):.4f}), NSP "
+                  f"accuracy {result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
+        else:
+            print(f"bert-train: stopped at step {step} (no evaluation yet)")
         print(f"  checkpoint: {final}")
         print(f"  metrics:    {metrics.path}")
         print(f"  logs:       {os.path.join(run_dir, 'train.log')} (Hydra), config in "
