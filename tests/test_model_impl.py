@@ -66,14 +66,15 @@ def twin(cfg, impl, source):
 
 
 @pytest.mark.parametrize("switches", [
-    dict(sparse_prediction=True),
+    dict(sparse_prediction=True, sparse_last_layer=False),
+    dict(sparse_prediction=True, sparse_last_layer=True),
     dict(unpad=True),
     dict(fused_qkv=True),
     dict(attention="eager"),
     dict(sparse_prediction=True, unpad=True, fused_qkv=True),
     dict(sparse_prediction=True, unpad=True, fast_dropout=True),
 ], ids=lambda s: "+".join(s))
-@pytest.mark.parametrize("position_type", ["absolute", "relative_key_query"])
+@pytest.mark.parametrize("position_type", ["absolute", "relative_key", "relative_key_query"])
 def test_switch_equals_plain_path(switches, position_type):
     # Dropout off: the layouts draw different random masks, which is fine in training but would
     # make the comparison meaningless.
@@ -83,6 +84,16 @@ def test_switch_equals_plain_path(switches, position_type):
     plain = BertForPreTraining(cfg, PLAIN).train()
     fast = twin(cfg, dataclasses.replace(PLAIN, **switches), plain)
     assert_same_step(plain, fast, make_batch(cfg))
+
+
+@pytest.mark.parametrize("unpad", [False, True])
+def test_sparse_last_layer_with_unlabelled_sequence(unpad):
+    """A sequence with no label still needs its [CLS] row (NSP) from the last layer."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch = make_batch(cfg, seed=11)
+    batch["labels"][3] = -100
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    assert_same_step(plain, twin(cfg, ModelImpl(unpad=unpad), plain), batch)
 
 
 def test_pre_layer_norm_fast_path_equals_plain():

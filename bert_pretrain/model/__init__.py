@@ -3,16 +3,19 @@
 State-dict compatible with `transformers.BertForPreTraining`; speed switches live in `ModelImpl`.
 """
 
-from .bert import BertForPreTraining, BertModel, PreTrainingOutput, init_bert_weights
+from .bert import (BertForPreTraining, BertModel, EncoderOutput, PreTrainingOutput,
+                   init_bert_weights)
 from .config import BertConfig, ModelImpl
-from .layout import TokenLayout
+from .layout import QuerySubset, TokenLayout
 
 __all__ = [
     "BertConfig",
     "BertForPreTraining",
     "BertModel",
+    "EncoderOutput",
     "ModelImpl",
     "PreTrainingOutput",
+    "QuerySubset",
     "TokenLayout",
     "build_model",
     "init_bert_weights",

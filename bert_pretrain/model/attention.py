@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import BertConfig, ModelImpl
 from .dropout import dropout
-from .layout import TokenLayout
+from .layout import QuerySubset, TokenLayout
 
 
 class BertSelfAttention(nn.Module):
@@ -50,28 +50,47 @@ class BertSelfAttention(nn.Module):
             qkv = layout.to_grid(F.linear(hidden, weight, bias)).view(b, n, 3, h, d)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             return q, k, v
-        return tuple(
-            layout.to_grid(proj(hidden)).view(b, n, h, d).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
-        )
+        return tuple(layout.to_heads(proj(hidden), h) for proj in (self.query, self.key, self.value))
 
-    def _relative_bias(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Score bias [B, heads, L, L] from relative positions, already divided by sqrt(d)."""
-        n = q.shape[-2]
+    def _relative_bias(self, q: torch.Tensor, k: torch.Tensor,
+                       q_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Score bias [B, heads, Lq, L] from relative positions, already divided by sqrt(d).
+        `q_positions` [B, Lq]: positions of the queries when they are a subset (else 0..L-1)."""
+        n = k.shape[-2]
         pos = torch.arange(n, device=q.device)
-        distance = pos[:, None] - pos[None, :] + (self.max_position_embeddings - 1)
-        table = self.distance_embedding(distance).to(q.dtype)  # [L, L, d]
-        bias = torch.einsum("bhld,lrd->bhlr", q, table)
-        if self.position_embedding_type == "relative_key_query":
-            bias = bias + torch.einsum("bhrd,lrd->bhlr", k, table)
+        offset = self.max_position_embeddings - 1
+        if q_positions is None:
+            table = self.distance_embedding(pos[:, None] - pos[None, :] + offset).to(q.dtype)
+            bias = torch.einsum("bhld,lrd->bhlr", q, table)  # table: [L, L, d]
+            if self.position_embedding_type == "relative_key_query":
+                bias = bias + torch.einsum("bhrd,lrd->bhlr", k, table)
+        else:
+            distance = q_positions[:, :, None] - pos[None, None, :] + offset
+            table = self.distance_embedding(distance).to(q.dtype)  # [B, Lq, L, d]
+            bias = torch.einsum("bhld,blrd->bhlr", q, table)
+            if self.position_embedding_type == "relative_key_query":
+                bias = bias + torch.einsum("bhrd,blrd->bhlr", k, table)
         return bias / math.sqrt(self.head_size)
 
+    def _project_subset(self, hidden: torch.Tensor, layout: TokenLayout, subset: QuerySubset):
+        """Q for the subset rows on the [B, Lq] query grid; K, V for all tokens."""
+        b, h, d = layout.batch_size, self.num_heads, self.head_size
+        q = subset.to_grid(self.query(hidden.reshape(-1, self.hidden_size)
+                                      .index_select(0, subset.rows)), b)
+        q = q.view(b, subset.lq, h, d).transpose(1, 2)
+        k, v = (layout.to_heads(proj(hidden), h) for proj in (self.key, self.value))
+        return q, k, v
+
     def forward(self, hidden: torch.Tensor, layout: TokenLayout,
-                output_attentions: bool = False):
-        q, k, v = self._project(hidden, layout)
+                output_attentions: bool = False, subset: QuerySubset | None = None):
+        """Context for every token in `layout` order, or for `subset.rows` only ([R, H])."""
+        if subset is None:
+            q, k, v = self._project(hidden, layout)
+        else:
+            q, k, v = self._project_subset(hidden, layout, subset)
         bias = None
         if self.position_embedding_type != "absolute":
-            bias = self._relative_bias(q, k)
+            bias = self._relative_bias(q, k, None if subset is None else subset.positions)
         dropout_p = self.dropout_prob if self.training else 0.0
         # On CPU, SDPA with dropout runs the unfused math path anyway; the explicit path does the
         # same work with the cheaper dropout (and one fewer pass for the mask).
@@ -84,7 +103,7 @@ class BertSelfAttention(nn.Module):
             if bias is not None:
                 scores = scores + bias
             if layout.key_mask is not None:
-                scores = scores.masked_fill_(~layout.key_mask, torch.finfo(scores.dtype).min)
+                scores = scores.add_(layout.key_bias(scores.dtype))
             probs = torch.softmax(scores, dim=-1)
             context = torch.matmul(dropout(probs, dropout_p, self.training, self.fast_dropout), v)
         else:
@@ -92,6 +111,9 @@ class BertSelfAttention(nn.Module):
             if bias is not None:
                 mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
             context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-        context = context.transpose(1, 2).reshape(layout.batch_size, layout.seq_len,
-                                                  self.hidden_size)
-        return layout.from_grid(context), (probs if output_attentions else None)
+        if subset is None:
+            context = layout.from_heads(context)
+        else:
+            context = subset.from_grid(context.transpose(1, 2).reshape(
+                layout.batch_size, subset.lq, self.hidden_size))
+        return context, (probs if output_attentions else None)

@@ -12,7 +12,7 @@ from torch import nn
 from .config import BertConfig, ModelImpl
 from .encoder import BertEmbeddings, BertEncoder, BertPooler
 from .heads import BertLMPredictionHead, BertPreTrainingHeads
-from .layout import TokenLayout
+from .layout import QuerySubset, TokenLayout
 
 IGNORE_INDEX = -100
 
@@ -55,6 +55,19 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
         nn.init.zeros_(module.bias)
 
 
+@dataclass
+class EncoderOutput:
+    sequence_output: torch.Tensor
+    """[B, L, H] on the padded grid, [N, H] when `layout.unpadded`, or [R, H] for `rows`."""
+    pooled_output: torch.Tensor
+    layout: TokenLayout
+    rows: torch.Tensor | None = None
+    """[R] indices into the layout's token order of the rows in `sequence_output` (when `keep`
+    was given), else None."""
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
 class BertModel(nn.Module):
     def __init__(self, config: BertConfig, impl: ModelImpl | None = None):
         super().__init__()
@@ -65,20 +78,26 @@ class BertModel(nn.Module):
         self.pooler = BertPooler(config)
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None,
-                output_attentions=False, output_hidden_states=False, unpad=None):
-        """Returns (sequence_output, pooled_output, layout, hidden_states, attentions);
-        sequence_output is [N, H] when `layout.unpadded`, else [B, L, H]."""
+                output_attentions=False, output_hidden_states=False,
+                keep: torch.Tensor | None = None) -> EncoderOutput:
+        """`keep` ([B, L] bool): only these positions (and each first token) are needed from
+        the last layer, which then computes just those rows. Ignored when hidden states or
+        attention maps are requested (they cover every position)."""
         b, n = input_ids.shape
-        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad if unpad is None else unpad)
+        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad)
+        subset = None
+        if keep is not None and not (output_attentions or output_hidden_states):
+            subset = QuerySubset.build(keep, layout)
         x = self.embeddings(input_ids, token_type_ids, layout)
         x, hidden_states, attentions = self.encoder(x, layout, output_attentions,
-                                                    output_hidden_states)
-        pooled = self.pooler(x, layout)
+                                                    output_hidden_states, subset)
+        pooled = self.pooler(x, layout, subset)
         if hidden_states is not None:
             hidden_states = tuple(layout.to_grid(h) for h in hidden_states)
         if attentions is not None:
             attentions = tuple(attentions)
-        return x, pooled, layout, hidden_states, attentions
+        return EncoderOutput(x, pooled, layout, None if subset is None else subset.rows,
+                             hidden_states, attentions)
 
 
 class BertForPreTraining(nn.Module):
@@ -100,21 +119,26 @@ class BertForPreTraining(nn.Module):
                 output_attentions: bool = False,
                 output_hidden_states: bool = False) -> PreTrainingOutput:
         sparse = self.impl.sparse_prediction and labels is not None
-        # Dense logits are [B, L, V] by contract, so without sparse prediction the encoder output
-        # must be on the padded grid; unpadding then still saves the encoder's work.
-        seq, pooled, layout, hidden_states, attentions = self.bert(
-            input_ids, attention_mask, token_type_ids, output_attentions, output_hidden_states)
+        keep = None
+        if sparse and self.impl.sparse_last_layer:
+            keep = labels != IGNORE_INDEX
+        enc = self.bert(input_ids, attention_mask, token_type_ids, output_attentions,
+                        output_hidden_states, keep)
+        seq, layout = enc.sequence_output, enc.layout
         heads = self.cls
         mlm_labels = None
         if sparse:
             # Only ~15% of positions carry a label: run the transform and the V-way projection on
             # those rows alone. (Labels on padding positions are not supported when unpadded.)
             flat_labels = layout.select(labels)
+            if enc.rows is not None:
+                flat_labels = flat_labels.index_select(0, enc.rows)
             rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
             mlm_labels = flat_labels.index_select(0, rows)
             logits = heads.predictions(seq.reshape(-1, seq.shape[-1]).index_select(0, rows))
         else:
             logits = heads.predictions(layout.to_grid(seq))
+        pooled = enc.pooled_output
         nsp_logits = heads.seq_relationship(pooled)
 
         mlm_loss = nsp_loss = loss = None
@@ -129,4 +153,4 @@ class BertForPreTraining(nn.Module):
             nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1))
             loss = nsp_loss if loss is None else loss + nsp_loss
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
-                                 hidden_states, attentions)
+                                 enc.hidden_states, enc.attentions)

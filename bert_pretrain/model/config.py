@@ -156,6 +156,10 @@ class ModelImpl:
     sparse_prediction: bool = True
     """With labels: run the MLM transform and the vocabulary projection only on labelled
     positions (~15%). The full-vocab projection dominates small models' steps."""
+    sparse_last_layer: bool = True
+    """With sparse prediction: the last layer computes its query projection, attention output,
+    FFN and LayerNorms only for the labelled positions and [CLS] (all that is read after it);
+    keys and values still come from every token."""
     unpad: bool = True
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
     attention product itself."""
@@ -173,7 +177,7 @@ class ModelImpl:
     explicit softmax(QK^T)V path (always used when attention maps are requested)."""
 
     def __post_init__(self) -> None:
-        for name in ("sparse_prediction", "unpad", "fused_qkv", "fast_dropout",
+        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "fused_qkv", "fast_dropout",
                      "gradient_checkpointing"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")

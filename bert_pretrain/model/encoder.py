@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import BertSelfAttention
 from .config import BertConfig, ModelImpl
 from .dropout import Dropout
-from .layout import TokenLayout
+from .layout import QuerySubset, TokenLayout
 
 
 def activation(name: str):
@@ -111,16 +111,23 @@ class BertLayer(nn.Module):
         self.output = BertOutput(config, impl)
         self.pre_layer_norm = config.pre_layer_norm
 
-    def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False):
+    def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False,
+                subset: QuerySubset | None = None):
+        """Returns the layer output for every token, or for `subset.rows` only."""
         attn_out, ffn_out = self.attention.output, self.output
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t if subset is None else t.reshape(-1, t.shape[-1]).index_select(0, subset.rows)
+
         if self.pre_layer_norm:
-            context, probs = self.attention.self(attn_out.LayerNorm(x), layout, output_attentions)
-            x = x + attn_out.dropout(attn_out.dense(context))
+            context, probs = self.attention.self(attn_out.LayerNorm(x), layout, output_attentions,
+                                                 subset)
+            x = rows(x) + attn_out.dropout(attn_out.dense(context))
             h = self.intermediate(ffn_out.LayerNorm(x))
             x = x + ffn_out.dropout(ffn_out.dense(h))
             return x, probs
-        context, probs = self.attention.self(x, layout, output_attentions)
-        x = attn_out.LayerNorm(attn_out.dropout(attn_out.dense(context)) + x)
+        context, probs = self.attention.self(x, layout, output_attentions, subset)
+        x = attn_out.LayerNorm(attn_out.dropout(attn_out.dense(context)) + rows(x))
         h = self.intermediate(x)
         x = ffn_out.LayerNorm(ffn_out.dropout(ffn_out.dense(h)) + x)
         return x, probs
@@ -137,16 +144,20 @@ class BertEncoder(nn.Module):
         self.gradient_checkpointing = impl.gradient_checkpointing
 
     def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False,
-                output_hidden_states: bool = False):
+                output_hidden_states: bool = False, subset: QuerySubset | None = None):
+        """`subset`: the last layer computes only those rows (see QuerySubset)."""
         hidden_states = [x] if output_hidden_states else None
         attentions = [] if output_attentions else None
-        for layer in self.layer:
+        last = len(self.layer) - 1
+        for i, layer in enumerate(self.layer):
+            rows = subset if i == last else None
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # Non-reentrant checkpointing restores the RNG state, so dropout masks in the
                 # recomputation equal the first pass and gradients equal the plain path.
-                x, probs = checkpoint(layer, x, layout, output_attentions, use_reentrant=False)
+                x, probs = checkpoint(layer, x, layout, output_attentions, rows,
+                                      use_reentrant=False)
             else:
-                x, probs = layer(x, layout, output_attentions)
+                x, probs = layer(x, layout, output_attentions, rows)
             if output_hidden_states:
                 hidden_states.append(x)
             if output_attentions:
@@ -165,6 +176,12 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
-        first = x.index_select(0, layout.cls_rows) if layout.unpadded else x[:, 0]
+    def forward(self, x: torch.Tensor, layout: TokenLayout,
+                subset: QuerySubset | None = None) -> torch.Tensor:
+        if subset is not None:
+            first = x.index_select(0, subset.cls_rows)
+        elif layout.unpadded:
+            first = x.index_select(0, layout.cls_rows)
+        else:
+            first = x[:, 0]
         return torch.tanh(self.dense(first))
