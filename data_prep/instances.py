@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from data_prep.token_store import read_ranges
+
 
 @dataclass
 class Segments:
@@ -56,11 +58,13 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
     r_draw, r_start, r_target = [], [], []   # random-next B is resolved after the loop
     debt = 0   # instances forced to random-next, still to be given back as actual-next
     n_docs = len(split_docs)
+    sent_off_file = sent_off                  # random reads go through read_ranges (pread)
     sent_off = np.asarray(sent_off)           # plain ndarray views: no memmap indexing overhead
     pieces = np.asarray(pieces)
     doc_ends = np.asarray(doc_off)[pieces[:, 0] + 1].tolist() if len(pieces) else []
 
-    for (d, s0, s1), doc_end in zip(pieces.tolist(), doc_ends):
+    doc_pos = []                              # index of each instance's document in split_docs
+    for (d, s0, s1, pos), doc_end in zip(pieces.tolist(), doc_ends):
         off = sent_off[s0:s1 + 1].tolist()  # off[k]: token offset of sentence s0 + k
         n = s1 - s0
         start = 0
@@ -82,6 +86,7 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
             a0.append(off[start])
             a1.append(off[a_end])
             docs.append(d)
+            doc_pos.append(pos)
             rand.append(random_next)
             if random_next:
                 r_draw.append(u())
@@ -100,7 +105,9 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
                 first = s0 + i + 1
                 b_first = int(sent_off[first])
                 want = b_first + max(target - (off[i + 1] - off[start]), 1)
-                end = int(np.searchsorted(sent_off, want, side="left"))
+                # Every sentence has a token, so B needs at most max_tokens sentences.
+                window = sent_off[first:min(first + max_tokens, doc_end) + 1]
+                end = first + int(np.searchsorted(window, want, side="left"))
                 end = min(max(end, first + 1), doc_end)
                 b0.append(b_first)
                 b1.append(int(sent_off[end]))
@@ -114,18 +121,27 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
     if rand.any():
         # Random-next B: a document other than A's (an index drawn among the n-1 others), a
         # random first sentence, then sentences up to the remaining target length.
+        # Reads anywhere in the corpus: through read_ranges, in sentence windows.
         idx = np.flatnonzero(rand)
-        own = np.searchsorted(split_docs, docs[idx])
+        own = np.array(doc_pos, np.int64)[idx]        # A's document's index in split_docs
         pick = (np.array(r_draw) * (n_docs - 1)).astype(np.int64)
         pick += pick >= own
-        rdoc = np.asarray(split_docs[pick], np.int64)
-        first_s, end_s = np.asarray(doc_off[rdoc]), np.asarray(doc_off[rdoc + 1])
+        rdoc = read_ranges(split_docs, pick, np.ones_like(pick)).astype(np.int64)
+        bounds = read_ranges(doc_off, rdoc, np.full_like(rdoc, 2)).reshape(-1, 2)
+        first_s, end_s = bounds[:, 0], bounds[:, 1]
         s = first_s + (np.array(r_start) * (end_s - first_s)).astype(np.int64)
-        start_tok = np.asarray(sent_off[s])
+        # sent_off[s .. s + max_tokens] (within the document) holds B's end: every sentence
+        # has at least one token.
+        width = np.minimum(s + max_tokens, end_s) - s + 1           # >= 2
+        win = read_ranges(sent_off_file, s, width)
+        row0 = np.cumsum(width) - width
+        start_tok = win[row0]
         want = start_tok + np.maximum(np.array(r_target, np.int64), 1)
-        e = np.searchsorted(sent_off, want, side="left")
-        e = np.minimum(np.maximum(e, s + 1), end_s)
-        b0[idx], b1[idx] = start_tok, np.asarray(sent_off[e])
+        j = np.arange(len(win)) - np.repeat(row0, width)
+        hit = (win >= np.repeat(want, width)) & (j >= 1)
+        first_hit = np.minimum.reduceat(np.where(hit, j, np.iinfo(np.int64).max), row0)
+        j_end = np.where(first_hit == np.iinfo(np.int64).max, width - 1, first_hit)
+        b0[idx], b1[idx] = start_tok, win[row0 + j_end]
         b_doc[idx] = rdoc
     a_start, a_len, b_start, b_len = truncate_pairs(a0, a1 - a0, b0, b1 - b0, max_tokens, rng)
     return Segments(a_start, a_len, b_start, b_len, rand, docs, b_doc)

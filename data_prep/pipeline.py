@@ -7,6 +7,7 @@ and `manifest.json` appears only once all shards of both splits exist.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import multiprocessing as mp
@@ -27,7 +28,7 @@ from data_prep.masking import MaskingTables, assemble, mask_rows
 from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
 from data_prep.shards import (is_done, read_stats, remove_stale_tmp, shard_path, shard_stats,
                               stats_table, summarize, write_json_atomic, write_shard)
-from data_prep.token_store import TokenStore, is_complete, tokenize_corpus
+from data_prep.token_store import TokenStore, is_complete, read_ranges, tokenize_corpus
 from data_prep.tokenizer import prepare_tokenizer
 
 FORMAT_VERSION = 1
@@ -118,6 +119,24 @@ def _build_shard(task: tuple[str, int]) -> tuple[str, int, dict]:
         del store, plan
 
 
+def _gather_tokens(tokens: np.ndarray, seg):
+    """The tokens a shard needs, in one buffer, with the segments re-based onto it: the span
+    of the unit's own text (A and actual-next B), then each random-next B, read with pread
+    (see token_store.read_ranges)."""
+    rand = seg.is_random_next
+    if len(seg.a_start) == 0:
+        return np.zeros(0, tokens.dtype), seg
+    local_s = np.concatenate([seg.a_start, seg.b_start[~rand]])
+    local_e = np.concatenate([seg.a_start + seg.a_len, (seg.b_start + seg.b_len)[~rand]])
+    lo, hi = int(local_s.min()), int(local_e.max())
+    own = np.asarray(tokens[lo:hi])
+    far = read_ranges(tokens, seg.b_start[rand], seg.b_len[rand])
+    b_start = seg.b_start - lo
+    b_start[rand] = len(own) + np.cumsum(seg.b_len[rand]) - seg.b_len[rand]
+    return (np.concatenate([own, far]),
+            dataclasses.replace(seg, a_start=seg.a_start - lo, b_start=b_start))
+
+
 def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, int, dict]:
     split, index = task
     p = _W["params"]
@@ -127,7 +146,7 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
     seg = create_instances(np.asarray(plan.unit_pieces(unit)), store.sent_off, store.doc_off,
                            plan.docs, p["max_seq_length"], p["short_seq_prob"],
                            p["random_next_prob"], rng)
-    ids = assemble(store.tokens, seg, p["max_seq_length"], _W["tables"])
+    ids = assemble(*_gather_tokens(store.tokens, seg), p["max_seq_length"], _W["tables"])
     lengths = seg.a_len + seg.b_len + 3
     positions, labels, counts = mask_rows(ids, lengths, p["masked_lm_prob"],
                                           p["max_predictions_per_seq"], p["whole_word_mask"],

@@ -1,7 +1,7 @@
 """The plan: which documents are held out, and how each split is cut into work units.
 
 A work unit is a run of ~`tokens_per_shard` tokens of one split, cut at sentence boundaries,
-made of pieces ``(document, first_sentence, end_sentence)``.  Unit `u` of split `s` with dupe
+made of pieces ``(document, first_sentence, end_sentence, index_in_split)``.  Unit `u` of split `s` with dupe
 copy `k` is one output shard, built with its own RNG seeded by ``(seed, s, u, k)``: the output
 depends on the config only, never on `num_proc` or on which machine builds which shard, and a
 resumed run skips finished shards one by one.
@@ -31,7 +31,8 @@ SPLIT_IDS = {"train": 0, "validation": 1}
 class SplitPlan:
     name: str
     docs: np.ndarray          # sorted document ids of the split
-    pieces: np.ndarray        # [num_pieces, 3] int64: document, first sentence, end sentence
+    pieces: np.ndarray        # [num_pieces, 4] int64: document, first sentence, end sentence,
+                              # and the document's index in `docs`
     unit_off: np.ndarray      # [num_units + 1] offsets into pieces
     dupe_factor: int
 
@@ -84,13 +85,13 @@ def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tupl
     """Greedy cut of the split's documents (in order) into units of ~tokens_per_unit tokens.
     Pieces are collected in compact int64 arrays (24 bytes per piece), not Python tuples."""
     sent_off, doc_off = np.asarray(store.sent_off), np.asarray(store.doc_off)
-    p_doc, p_first, p_end = array("q"), array("q"), array("q")
+    p_doc, p_first, p_end, p_pos = array("q"), array("q"), array("q"), array("q")
     unit_off = array("q", [0])
     filled = 0
     for lo in range(0, len(docs), 1 << 16):           # documents in blocks: bounded temporaries
         block = np.asarray(docs[lo:lo + (1 << 16)], np.int64)
         firsts, ends = doc_off[block].tolist(), doc_off[block + 1].tolist()
-        for d, s0, s1 in zip(block.tolist(), firsts, ends):
+        for pos, (d, s0, s1) in enumerate(zip(block.tolist(), firsts, ends), start=lo):
             while s0 < s1:
                 room = tokens_per_unit - filled
                 if int(sent_off[s1] - sent_off[s0]) <= room:
@@ -101,6 +102,7 @@ def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tupl
                 p_doc.append(d)
                 p_first.append(s0)
                 p_end.append(cut)
+                p_pos.append(pos)
                 filled += int(sent_off[cut] - sent_off[s0])
                 s0 = cut
                 if filled >= tokens_per_unit:
@@ -109,7 +111,7 @@ def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tupl
     if unit_off[-1] != len(p_doc):
         unit_off.append(len(p_doc))
     pieces = np.stack([np.frombuffer(a, np.int64) if len(a) else np.zeros(0, np.int64)
-                       for a in (p_doc, p_first, p_end)], axis=1)
+                       for a in (p_doc, p_first, p_end, p_pos)], axis=1)
     return pieces, np.frombuffer(unit_off, np.int64).copy()
 
 

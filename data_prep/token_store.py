@@ -60,6 +60,29 @@ class TokenStore:
                    mm("doc_off.bin", np.int64, meta["num_documents"] + 1))
 
 
+def read_ranges(arr: np.ndarray, starts, lens) -> np.ndarray:
+    """``concatenate([arr[s:s + n] for s, n in zip(starts, lens)])``.
+
+    For a memory map, the ranges are read with pread() instead of through the mapping: random
+    reads across a large corpus (random-next segments) would otherwise leave every page they
+    touched, and its neighbours, in the process's resident set, which then grows with the
+    corpus.  Contiguous reads of a shard's own text still go through the mapping."""
+    starts = np.asarray(starts, np.int64)
+    lens = np.asarray(lens, np.int64)
+    if not isinstance(arr, np.memmap) or arr.filename is None:
+        first = np.cumsum(lens) - lens
+        idx = np.arange(int(lens.sum())) - np.repeat(first - starts, lens)
+        return np.asarray(arr)[idx]
+    size = arr.dtype.itemsize
+    fd = os.open(arr.filename, os.O_RDONLY)
+    try:
+        data = b"".join([os.pread(fd, n * size, arr.offset + s * size)
+                         for s, n in zip(starts.tolist(), lens.tolist())])
+    finally:
+        os.close(fd)
+    return np.frombuffer(data, arr.dtype)
+
+
 def is_complete(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "meta.json"))
 

@@ -106,7 +106,7 @@ def test_create_instances_never_picks_own_document():
     sent_off = np.arange(0, 151, 10, dtype=np.int64)
     doc_off = np.array([0, 5, 10, 15], np.int64)
     docs = np.arange(3)
-    pieces = np.array([[d, 5 * d, 5 * d + 5] for d in range(3)], np.int64)
+    pieces = np.array([[d, 5 * d, 5 * d + 5, d] for d in range(3)], np.int64)
     seen = 0
     for seed in range(200):
         seg = create_instances(pieces, sent_off, doc_off, docs, 32, 0.1, 0.5,
