@@ -119,3 +119,76 @@ def test_create_instances_never_picks_own_document():
         assert (seg.a_len + seg.b_len <= 29).all()
         seen += r.sum()
     assert seen > 100
+
+
+def _google_reference(docs_lens, max_seq_length, short_seq_prob, rng):
+    """Google's create_instances_from_document (token counts only, its semantics and its
+    bugs: target drawn per document, single-sentence chunks always random-next, the random
+    document may be the same one), written from its description for comparison."""
+    max_tokens = max_seq_length - 3
+    out = []
+    for d, doc in enumerate(docs_lens):
+        target = max_tokens
+        if rng.random() < short_seq_prob:
+            target = rng.randint(2, max_tokens)
+        chunk, length, i = [], 0, 0
+        while i < len(doc):
+            chunk.append(doc[i])
+            length += doc[i]
+            if i == len(doc) - 1 or length >= target:
+                a_end = rng.randint(1, len(chunk) - 1) if len(chunk) >= 2 else 1
+                a = sum(chunk[:a_end])
+                if len(chunk) == 1 or rng.random() < 0.5:
+                    rnd = True
+                    other = docs_lens[rng.randint(0, len(docs_lens) - 1)]
+                    start = rng.randint(0, len(other) - 1)
+                    b = 0
+                    for j in range(start, len(other)):
+                        b += other[j]
+                        if b >= target - a:
+                            break
+                    i -= len(chunk) - a_end
+                else:
+                    rnd = False
+                    b = sum(chunk[a_end:])
+                while a + b > max_tokens:
+                    if a > b:
+                        a -= 1
+                    else:
+                        b -= 1
+                out.append((a, b, rnd))
+                chunk, length = [], 0
+            i += 1
+    return out
+
+
+def test_instances_match_googles_distribution():
+    """Same corpus, same settings: our instance count and lengths match Google's algorithm;
+    its NSP labels are biased to random-next, ours are not."""
+    import random
+    r = random.Random(0)
+    docs_lens = [[r.randint(3, 40) for _ in range(r.randint(2, 30))] for _ in range(400)]
+    lens = np.array([n for d in docs_lens for n in d], np.int64)
+    sent_off = np.concatenate([[0], np.cumsum(lens)])
+    doc_off = np.concatenate([[0], np.cumsum([len(d) for d in docs_lens])])
+    pieces = np.array([[d, doc_off[d], doc_off[d + 1], d] for d in range(len(docs_lens))])
+    ours_n, ours_len, ours_rand, ref_n, ref_len, ref_rand = [], [], [], [], [], []
+    for seed in range(5):
+        seg = create_instances(pieces, sent_off, doc_off, np.arange(len(docs_lens)), 128, 0.0,
+                               0.5, np.random.default_rng(seed))
+        ours_n.append(len(seg.a_len))
+        ours_len += (seg.a_len + seg.b_len).tolist()
+        ours_rand += seg.is_random_next.tolist()
+        ref = _google_reference(docs_lens, 128, 0.0, random.Random(seed))
+        ref_n.append(len(ref))
+        ref_len += [a + b for a, b, _ in ref]
+        ref_rand += [x for _, _, x in ref]
+    # Slightly fewer instances than Google's: where Google turns a single-sentence chunk into
+    # random-next, half of ours take the following sentences as the actual-next B, and those
+    # sentences are then used (as the B of an actual-next pair always is), not chunked again.
+    assert 0.93 < np.mean(ours_n) / np.mean(ref_n) < 1.0
+    assert np.mean(ours_len) == pytest.approx(np.mean(ref_len), rel=0.02)
+    assert np.mean(np.array(ours_len) == 125) == pytest.approx(np.mean(np.array(ref_len) == 125),
+                                                              abs=0.02)
+    assert np.mean(ours_rand) == pytest.approx(0.5, abs=0.015)
+    assert np.mean(ref_rand) > 0.53          # Google's single-sentence chunks: forced random
