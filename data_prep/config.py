@@ -118,6 +118,9 @@ class TokenizerConfig:
     vocab_size: int = 30522           # when training
     min_frequency: int = 2            # when training
     limit_alphabet: int = 1000        # when training: at most this many initial characters
+    # When training: use only the corpus's first N sentences (null: all).  The trainer holds a
+    # count per distinct word, so on a huge corpus a prefix bounds its memory and time.
+    max_training_sentences: Optional[int] = None
     do_lower_case: bool = True        # also strips accents, like BERT's uncased models
 
     def __post_init__(self):
@@ -127,6 +130,9 @@ class TokenizerConfig:
                                 "least 64 (BERT uses 30522)")
             if self.min_frequency < 1:
                 raise PrepError(f"tokenizer.min_frequency={self.min_frequency} must be >= 1")
+            if self.max_training_sentences is not None and self.max_training_sentences < 1:
+                raise PrepError(f"tokenizer.max_training_sentences="
+                                f"{self.max_training_sentences} must be >= 1 or null")
 
 
 @dataclass

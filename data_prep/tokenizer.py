@@ -127,10 +127,24 @@ def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[st
                     progress: bool):
     from tokenizers import BertWordPieceTokenizer
     wp = BertWordPieceTokenizer(lowercase=cfg.do_lower_case)
-    wp.train_from_iterator(batches(), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+    wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                            limit_alphabet=cfg.limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
                            show_progress=progress)
     return wp._tokenizer, cfg.do_lower_case
+
+
+def _limited(batches: Iterator[list[str]], limit) -> Iterator[list[str]]:
+    """The first `limit` sentences (all when None): the trainer's word counts grow with the
+    text it sees, so a huge corpus can train its vocabulary on a prefix."""
+    left = limit
+    for batch in batches:
+        if left is not None:
+            batch = batch[:left]
+            left -= len(batch)
+        if batch:
+            yield batch
+        if left == 0:
+            return
 
 
 def _finish(tok, do_lower_case: bool) -> PreparedTokenizer:

@@ -164,3 +164,16 @@ def test_sentences_without_tokens_are_dropped_documents_kept(tmp_path, trained):
                                 "uint16", batch, progress=False)
         assert store.num_sentences == 4 and store.num_documents == 3
         assert store.doc_off.tolist() == [0, 2, 3, 4]
+
+
+def test_training_on_a_prefix(prep_compose, prep_gutenberg_small, tmp_path):
+    from data_prep.tokenizer import _limited
+    batches = iter([["a", "b", "c"], ["d", "e"], ["f"]])
+    assert list(_limited(batches, 4)) == [["a", "b", "c"], ["d"]]
+    full = prepare_tokenizer(TokenizerConfig(vocab_size=3000), lambda: _sentence_batches(
+        TextCorpusConfig(paths=[prep_gutenberg_small])), str(tmp_path / "a"), progress=False)
+    prefix = prepare_tokenizer(TokenizerConfig(vocab_size=3000, max_training_sentences=300),
+                               lambda: _sentence_batches(TextCorpusConfig(
+                                   paths=[prep_gutenberg_small])), str(tmp_path / "b"),
+                               progress=False)
+    assert prefix.vocab_size < full.vocab_size      # 300 sentences cannot fill 3,000 entries
