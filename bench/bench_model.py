@@ -6,7 +6,8 @@ padded to a random length in [64, 128]); the models alternate step by step in on
 the load other processes put on the machine hits both alike.  Reported: median step time after
 warm-up, real (non-padding) tokens per second, speedup, and model FLOPs utilisation (MFU) of the
 useful work (real tokens, labelled positions) against this machine's torch.mm peak measured in
-the same run.
+the same run.  Process CPU time per step is recorded too: with `--threads 1` its ratios barely
+move when other jobs share the machine, unlike wall-clock ones.
 
     python bench/bench_model.py                             # CPU: BERT-mini (32), BERT-base (8)
     python bench/bench_model.py --presets bert_tiny:32 bert_small:32 --steps 3
@@ -43,7 +44,9 @@ PRESET_SIZES = {  # (layers, hidden, heads, intermediate): conf/model/<name>.yam
 VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is worth
     "ours": {},
     "ours-no-unpad": {"unpad": False},
-    "ours-no-fused-qkv": {"fused_qkv": False},
+    "ours-fused-qkv": {"fused_qkv": True},
+    "ours-no-fast-dropout": {"fast_dropout": False},
+    "ours-no-sparse-last": {"sparse_last_layer": False},
     "ours-no-sparse": {"sparse_prediction": False},
 }
 
@@ -135,16 +138,17 @@ def build_models(cfg: BertConfig, names: list[str], device: str, seed: int):
     return models
 
 
-def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> float:
+def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of one training step."""
     sync(device)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
         out = model(**batch)
     out.loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync(device)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> list[dict]:
@@ -152,19 +156,21 @@ def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> lis
     cfg = load_preset(preset, args.vocab_size)
     names = ["ours", "transformers"]
     if args.variants:
-        names += [v for v in VARIANTS if v != "ours"]
+        names += [v for v in VARIANTS if v != "ours"]  # one at a time off (or on) from default
     models = build_models(cfg, names, args.device, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     times = {n: [] for n in names}
+    cpu_times = {n: [] for n in names}
     tokens, flops = [], []
     for step in range(args.warmup + args.steps):
         batch = make_batch(batch_size, args.seq_len, cfg.vocab_size, gen, args.device)
         order = names if step % 2 == 0 else names[::-1]  # alternate who goes first
         for name in order:
             model, opt = models[name]
-            elapsed = train_step(model, opt, batch, args.device, dtype)
+            elapsed, cpu = train_step(model, opt, batch, args.device, dtype)
             if step >= args.warmup:
                 times[name].append(elapsed)
+                cpu_times[name].append(cpu)
         if step >= args.warmup:
             tokens.append(batch["attention_mask"].sum().item())
             flops.append(step_flops(cfg, batch))
@@ -172,12 +178,16 @@ def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> lis
     mean_tokens, mean_flops = statistics.mean(tokens), statistics.mean(flops)
     rows = []
     base = statistics.median(times["transformers"])
+    base_cpu = statistics.median(cpu_times["transformers"])
     for name in names:
         t = statistics.median(times[name])
+        cpu = statistics.median(cpu_times[name])
         rows.append(dict(
             preset=preset, batch_size=batch_size, seq_len=args.seq_len, dtype=dtype_name,
             model=name, median_step_s=t, step_times_s=times[name],
+            median_cpu_s=cpu, cpu_times_s=cpu_times[name],
             tokens_per_s=mean_tokens / t, speedup_vs_transformers=base / t,
+            cpu_speedup_vs_transformers=base_cpu / cpu,
             useful_tflops_per_step=mean_flops / 1e12,
             mfu=mean_flops / t / peaks[dtype_name],
         ))
@@ -196,6 +206,9 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (CPU); 1 gives CPU-time ratios that hold up on "
+                        "a machine shared with other jobs")
     p.add_argument("--variants", action="store_true",
                    help="also time our model with each speed switch turned off")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "model.json"))
@@ -208,6 +221,8 @@ def main(argv=None) -> None:
     dtypes = args.dtypes or (["bf16"] if cuda else ["fp32", "bf16"])
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32 on both sides
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     peaks = {"fp32": matmul_peak(args.device, torch.float32),
              "bf16": matmul_peak(args.device, torch.bfloat16)}
@@ -237,7 +252,9 @@ def _print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['preset']:>11} b{r['batch_size']:<3} {r['dtype']:>4} {r['model']:>18}  "
               f"step {r['median_step_s']:7.3f} s  {r['tokens_per_s']:9,.0f} tok/s  "
-              f"x{r['speedup_vs_transformers']:5.2f}  MFU {100 * r['mfu']:5.1f}%", flush=True)
+              f"x{r['speedup_vs_transformers']:5.2f}  MFU {100 * r['mfu']:5.1f}%  "
+              f"(cpu {r['median_cpu_s']:6.2f} s, x{r['cpu_speedup_vs_transformers']:4.2f})",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -161,6 +161,18 @@ def test_dropout_is_active_in_training_only():
     assert len(train_losses) == 3 and len(eval_losses) == 1
 
 
+def test_fast_dropout_bf16_scale_is_not_rounded():
+    from bert_pretrain.model.dropout import dropout
+
+    x = torch.linspace(1, 100, 20000).to(torch.bfloat16)
+    y = dropout(x, 0.1, training=True, fast=True)
+    kept = y != 0
+    # Kept values are x / (1 - p) computed in fp32 and rounded once, as torch's dropout does;
+    # folding a bf16-rounded scale into the mask would miss on many of these values.
+    expected = (x.float() / 0.9).to(torch.bfloat16)
+    assert torch.equal(y[kept], expected[kept])
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_fast_dropout_statistics_and_gradient(p):
     from bert_pretrain.model.dropout import dropout

@@ -18,16 +18,24 @@ class _CpuDropout(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
         # Uniform integers in [0, 2^31); ge_ writes 0/1 in place (no bool tensor: bool masks
         # take slow, unvectorised paths in masked_fill / where on CPU).  The mask is kept in
-        # x's dtype with the 1/(1-p) scale folded in, so forward and backward are one multiply.
+        # x's dtype; in fp32 the 1/(1-p) scale is folded into it (one multiply each way), in
+        # 16-bit types it stays a separate fp32-computed scalar multiply, as in torch's dropout
+        # (1/(1-p) rounded to bf16 would bias every kept activation by up to 0.4%).
         bits = torch.empty(x.shape, dtype=torch.int32, device=x.device).random_()
-        mask = bits.ge_(int(round(p * 2**31))).to(x.dtype).mul_(1.0 / (1.0 - p))
+        mask = bits.ge_(int(round(p * 2**31))).to(x.dtype)
+        scale = 1.0 / (1.0 - p)
+        if x.dtype in (torch.float32, torch.float64):
+            mask.mul_(scale)
+            scale = None
         ctx.save_for_backward(mask)
-        return x * mask
+        ctx.scale = scale
+        return x * mask if scale is None else (x * mask).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
-        return grad * mask, None
+        out = grad * mask
+        return (out if ctx.scale is None else out.mul_(ctx.scale)), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, fast: bool) -> torch.Tensor:
