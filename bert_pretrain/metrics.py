@@ -51,6 +51,23 @@ def truncate_jsonl(path: str, max_step: int) -> None:
         f.writelines(kept)
 
 
+def eval_record_at(run_dir: str, step: int) -> Optional[dict]:
+    """The evaluation already logged at `step` (resuming a run whose last checkpoint was
+    evaluated: no need to evaluate, and log, the same weights again)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    found = None
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step") == step and "eval_mlm_loss" in record:
+                    found = {k: v for k, v in record.items() if k.startswith("eval_")}
+    return found
+
+
 class Metrics:
     """metrics.jsonl + optional wandb, on the main process."""
 

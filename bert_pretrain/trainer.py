@@ -184,7 +184,7 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
 
     from . import checkpoint as ckpt
     from .data import PreparedData, TrainStream, eval_batches
-    from .metrics import Metrics, NullMetrics
+    from .metrics import Metrics, NullMetrics, eval_record_at
     from .model import BertConfig, BertForPreTraining, ModelImpl
     from .optim import Schedule, build_optimizer, set_lr
 
@@ -248,6 +248,11 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     step, tokens_seen, elapsed = state["step"], state["tokens_seen"], state["elapsed_seconds"]
     stream.position.samples_consumed = state["samples_consumed"]
 
+    last_eval = None
+    if resume_path:
+        logged = eval_record_at(run_dir, step)
+        last_eval = (step, logged) if logged else None
+        accelerator.wait_for_everyone()  # every rank has read metrics.jsonl before it changes
     metrics = (Metrics(s.logger, run_dir, s.name, resolved_config,
                        step if resume_path else None) if main else NullMetrics())
     if main:
@@ -288,7 +293,7 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     nonfinite = 0
     window = torch.zeros(4, dtype=torch.float64)  # loss, mlm, nsp, steps since last log
     window_tokens, window_start = 0, time.perf_counter()
-    last_eval, last_saved = None, (step if resume_path else None)
+    last_saved = step if resume_path else None
     clock = time.perf_counter() - elapsed  # elapsed counts training time only
     model.train()
     while step < tc.max_steps and not (budget and elapsed >= budget):

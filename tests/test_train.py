@@ -114,7 +114,11 @@ def test_data_and_model_mismatches_are_refused(tmp_path, synthetic):
 def test_resume_rules_and_other_model_size(tmp_path, synthetic):
     run = str(tmp_path / "run")
     base = ["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}"]
-    train_in_process(base + ["trainer.max_steps=3"])
+    first = train_in_process(base + ["trainer.max_steps=3"])
+    before = read_metrics(run)
+    # resuming a finished run re-reports it: no training, no second evaluation of the same weights
+    assert train_in_process(base + ["trainer.max_steps=3", "resume=auto"]) == first
+    assert read_metrics(run) == before
     with pytest.raises(ConfigError, match="already has checkpoints; continue it with resume=auto"):
         train_in_process(base)
     with pytest.raises(CheckpointError, match=r"different model \(hidden_size: checkpoint 32 vs "
