@@ -127,10 +127,19 @@ def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[st
                     progress: bool):
     from tokenizers import BertWordPieceTokenizer
     wp = BertWordPieceTokenizer(lowercase=cfg.do_lower_case)
-    wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences), vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+    wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences),
+                           vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                            limit_alphabet=cfg.limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
                            show_progress=progress)
-    return wp._tokenizer, cfg.do_lower_case
+    # The trainer breaks ties between equally frequent pieces in hash-map order, so the same
+    # vocabulary comes out with ids in a different order from run to run.  WordPiece does not
+    # care about ids: number the pieces canonically (special tokens, then code-point order) so
+    # that the same vocabulary always gives the same ids and the same prepared data.
+    trained = wp.get_vocab()
+    order = list(SPECIAL_TOKENS) + sorted(t for t in trained if t not in SPECIAL_TOKENS)
+    canonical = BertWordPieceTokenizer({t: i for i, t in enumerate(order)},
+                                       lowercase=cfg.do_lower_case)
+    return canonical._tokenizer, cfg.do_lower_case
 
 
 def _limited(batches: Iterator[list[str]], limit) -> Iterator[list[str]]:
@@ -161,9 +170,11 @@ def _finish(tok, do_lower_case: bool) -> PreparedTokenizer:
                              hashlib.sha256(text).hexdigest())
 
 
-def save_tokenizer(pt: PreparedTokenizer, directory: str) -> None:
-    """Write the four files transformers expects, into a temp dir renamed into place."""
-    tmp = directory + ".tmp"
+def save_tokenizer(pt: PreparedTokenizer, directory: str, replace: bool = True) -> bool:
+    """Write the four files transformers expects, into a temp dir renamed into place.
+    With replace=False an existing directory wins (returns False): hosts sharing an output
+    dir then all use the first tokenizer saved."""
+    tmp = f"{directory}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     with open(os.path.join(tmp, "vocab.txt"), "w", encoding="utf-8") as f:
@@ -177,8 +188,16 @@ def save_tokenizer(pt: PreparedTokenizer, directory: str) -> None:
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.rename(tmp, directory)
+    if replace:
+        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        os.rename(tmp, directory)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if replace or not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+            raise
+        return False
+    return True
 
 
 def prepare_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[str]]],
@@ -188,15 +207,19 @@ def prepare_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[
 
     `reuse_saved`: a resumed prep loads the tokenizer it saved before instead of retraining.
     """
-    if reuse_saved and os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        tok, lower = _from_tokenizer_json(os.path.join(directory, "tokenizer.json"))
+    saved = os.path.join(directory, "tokenizer.json")
+    if reuse_saved and os.path.isfile(saved):
+        tok, lower = _from_tokenizer_json(saved)
         return _ready(_finish(tok, lower))
     if cfg.vocab_file:
         tok, lower = load_tokenizer(os.path.expanduser(cfg.vocab_file), cfg.do_lower_case)
     else:
         tok, lower = train_tokenizer(cfg, batches, progress)
     pt = _finish(tok, lower)
-    save_tokenizer(pt, directory)
+    if not save_tokenizer(pt, directory, replace=not reuse_saved):
+        # Another host of this prep saved its tokenizer first: everyone uses that one.
+        tok, lower = _from_tokenizer_json(saved)
+        pt = _finish(tok, lower)
     return _ready(pt)
 
 

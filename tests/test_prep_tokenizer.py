@@ -177,3 +177,30 @@ def test_training_on_a_prefix(prep_compose, prep_gutenberg_small, tmp_path):
                                    paths=[prep_gutenberg_small])), str(tmp_path / "b"),
                                progress=False)
     assert prefix.vocab_size < full.vocab_size      # 300 sentences cannot fill 3,000 entries
+
+
+def test_training_gives_the_same_ids_every_run(prep_gutenberg_small, tmp_path, trained):
+    # The tokenizers trainer orders equally frequent pieces differently from run to run; the
+    # canonical numbering makes the same vocabulary always the same ids.
+    _, first = trained[True]
+    again = prepare_tokenizer(TokenizerConfig(vocab_size=3000), lambda: _sentence_batches(
+        TextCorpusConfig(paths=[prep_gutenberg_small])), str(tmp_path / "t"), progress=False)
+    assert again.vocab == first.vocab and again.sha256 == first.sha256
+
+
+def test_a_second_host_uses_the_tokenizer_saved_first(trained, tmp_path):
+    d, pt = trained[True]
+    import shutil
+    shared = tmp_path / "tokenizer"
+    shutil.copytree(d, shared)
+    other = tmp_path / "other_vocab.txt"
+    other.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]) + "\n")
+    # reuse_saved with a saved tokenizer: loaded, nothing trained or replaced.
+    got = prepare_tokenizer(TokenizerConfig(vocab_file=str(other)), None, str(shared),
+                            progress=False, reuse_saved=True)
+    assert got.sha256 == pt.sha256
+    # A racing host that finished second keeps the first one's files and uses them.
+    from data_prep.tokenizer import _finish, load_tokenizer, save_tokenizer
+    mine = _finish(*load_tokenizer(str(other)))
+    assert save_tokenizer(mine, str(shared), replace=False) is False
+    assert (shared / "vocab.txt").read_text(encoding="utf-8").count("\n") == pt.vocab_size
