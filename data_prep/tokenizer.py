@@ -216,8 +216,9 @@ def prepare_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[
     else:
         tok, lower = train_tokenizer(cfg, batches, progress)
     pt = _finish(tok, lower)
-    if not save_tokenizer(pt, directory, replace=not reuse_saved):
-        # Another host of this prep saved its tokenizer first: everyone uses that one.
+    # An existing directory can only be another host's of this same prep (a new or
+    # re-configured prep starts from an empty output dir): the first one saved wins.
+    if not save_tokenizer(pt, directory, replace=False):
         tok, lower = _from_tokenizer_json(saved)
         pt = _finish(tok, lower)
     return _ready(pt)
