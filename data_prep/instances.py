@@ -126,9 +126,9 @@ def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarr
         own = np.array(doc_pos, np.int64)[idx]        # A's document's index in split_docs
         pick = (np.array(r_draw) * (n_docs - 1)).astype(np.int64)
         pick += pick >= own
-        rdoc = read_ranges(split_docs, pick, np.ones_like(pick)).astype(np.int64)
-        bounds = read_ranges(doc_off, rdoc, np.full_like(rdoc, 2)).reshape(-1, 2)
-        first_s, end_s = bounds[:, 0], bounds[:, 1]
+        # (Document-level arrays, 16 bytes per document, are read through the mapping.)
+        rdoc = np.asarray(split_docs[pick], np.int64)
+        first_s, end_s = np.asarray(doc_off[rdoc]), np.asarray(doc_off[rdoc + 1])
         s = first_s + (np.array(r_start) * (end_s - first_s)).astype(np.int64)
         # sent_off[s .. s + max_tokens] (within the document) holds B's end: every sentence
         # has at least one token.

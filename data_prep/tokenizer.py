@@ -132,14 +132,19 @@ def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[st
                            limit_alphabet=cfg.limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
                            show_progress=progress)
     # The trainer breaks ties between equally frequent pieces in hash-map order, so the same
-    # vocabulary comes out with ids in a different order from run to run.  WordPiece does not
+    # vocabulary comes out with ids in a different order from run to run (and, about one run
+    # in ten, with a different last piece when a tie straddles vocab_size).  WordPiece does not
     # care about ids: number the pieces canonically (special tokens, then code-point order) so
     # that the same vocabulary always gives the same ids and the same prepared data.
-    trained = wp.get_vocab()
-    order = list(SPECIAL_TOKENS) + sorted(t for t in trained if t not in SPECIAL_TOKENS)
-    canonical = BertWordPieceTokenizer({t: i for i, t in enumerate(order)},
-                                       lowercase=cfg.do_lower_case)
-    return canonical._tokenizer, cfg.do_lower_case
+    return canonical(wp.get_vocab(), cfg.do_lower_case), cfg.do_lower_case
+
+
+def canonical(vocab: dict, do_lower_case: bool):
+    """A BERT WordPiece tokenizer whose ids depend only on the set of tokens."""
+    from tokenizers import BertWordPieceTokenizer
+    order = list(SPECIAL_TOKENS) + sorted(t for t in vocab if t not in SPECIAL_TOKENS)
+    return BertWordPieceTokenizer({t: i for i, t in enumerate(order)},
+                                  lowercase=do_lower_case)._tokenizer
 
 
 def _limited(batches: Iterator[list[str]], limit) -> Iterator[list[str]]:

@@ -192,3 +192,18 @@ def test_instances_match_googles_distribution():
                                                               abs=0.02)
     assert np.mean(ours_rand) == pytest.approx(0.5, abs=0.015)
     assert np.mean(ref_rand) > 0.53          # Google's single-sentence chunks: forced random
+
+
+def test_read_ranges_equals_slicing(tmp_path):
+    from data_prep.token_store import read_ranges
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 60000, 100_000).astype(np.uint16)
+    data.tofile(tmp_path / "t.bin")
+    mm = np.memmap(tmp_path / "t.bin", dtype=np.uint16, mode="r")
+    starts = np.concatenate([rng.integers(0, 99_800, 3000), [5, 5, 7, 99_990, 0]])
+    lens = np.concatenate([rng.integers(0, 200, 3000), [10, 3, 0, 10, 1]])
+    want = np.concatenate([data[s:s + n] for s, n in zip(starts, lens)])
+    for gap in (0, 4096, 1 << 20):
+        assert np.array_equal(read_ranges(mm, starts, lens, gap_bytes=gap), want)
+    assert np.array_equal(read_ranges(data, starts, lens), want)
+    assert len(read_ranges(mm, [], [])) == 0
