@@ -52,6 +52,9 @@ def _uniforms(rng: np.random.Generator):
 def create_instances(pieces: np.ndarray, sent_off: np.ndarray, doc_off: np.ndarray,
                      split_docs: np.ndarray, max_seq_length: int, short_seq_prob: float,
                      random_next_prob: float, rng: np.random.Generator) -> Segments:
+    """Instances of the pieces (document, first sentence, end sentence, index in split_docs)
+    of one unit.  `sent_off`/`doc_off` are the token store's offsets, `split_docs` the sorted
+    documents of the split (random-next segments come from these only), `rng` the unit's."""
     max_tokens = max_seq_length - 3          # room for [CLS] A [SEP] B [SEP]
     u = _uniforms(rng).__next__
     a0, a1, b0, b1, rand, docs = [], [], [], [], [], []
