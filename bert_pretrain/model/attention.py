@@ -2,8 +2,9 @@
 
 The product itself goes through `F.scaled_dot_product_attention`, which picks fused
 (flash / memory-efficient) kernels on GPUs; relative positions enter it as a float bias.  The
-explicit path (softmax(QK^T / sqrt(d)) V) is used when attention maps are requested or
-`impl.attention == "eager"`.
+explicit path (softmax(QK^T / sqrt(d)) V) is used when attention maps are requested, when
+`impl.attention == "eager"`, and in CPU training with dropout, where SDPA would run its own
+unfused math path anyway and the explicit one can use the cheaper dropout.
 """
 
 from __future__ import annotations
@@ -41,15 +42,14 @@ class BertSelfAttention(nn.Module):
 
     def _project(self, hidden: torch.Tensor, layout: TokenLayout):
         """Q, K, V as [B, heads, L, d] on the padded grid."""
-        b, n, h, d = layout.batch_size, layout.seq_len, self.num_heads, self.head_size
+        h = self.num_heads
         if self.fused_qkv:
             # One GEMM with a 3x wider output instead of three; the concatenated weight is rebuilt
             # each call (cheap next to the GEMM) so the parameters keep transformers' names.
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
             bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            qkv = layout.to_grid(F.linear(hidden, weight, bias)).view(b, n, 3, h, d)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            return q, k, v
+            qkv = F.linear(hidden, weight, bias).chunk(3, dim=-1)
+            return tuple(layout.to_heads(x, h) for x in qkv)
         return tuple(layout.to_heads(proj(hidden), h) for proj in (self.query, self.key, self.value))
 
     def _relative_bias(self, q: torch.Tensor, k: torch.Tensor,

@@ -97,12 +97,6 @@ class TokenLayout:
         grid.index_copy_(0, self.indices, x)  # in place: saves copying the zeros
         return grid.view(self.batch_size, self.seq_len, x.shape[-1])
 
-    def from_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, L, C] -> the layout's own shape ([N, C] when unpadded)."""
-        if not self.unpadded:
-            return x
-        return x.reshape(self.batch_size * self.seq_len, x.shape[-1]).index_select(0, self.indices)
-
     def select(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-token values given as [B, L] -> the layout's token order ([N] or [B * L])."""
         flat = flat.reshape(-1)
