@@ -8,6 +8,7 @@ depends on the Python version, which the resume fingerprint records.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import sysconfig
 from typing import Iterator
@@ -44,7 +45,18 @@ def _stdlib_files() -> list[str]:
 
 def builtin_documents(include_topics: bool = True,
                       include_docstrings: bool = True) -> Iterator[list[str]]:
-    """Documents as lists of paragraphs: one per pydoc topic, one per stdlib module."""
+    """Documents as lists of paragraphs: one per pydoc topic, one per stdlib module.  The
+    corpus is small and fixed (~2 MB), so it is parsed once per process and kept: bert-prep
+    reads it twice (tokenizer training, then tokenization)."""
+    return iter(_documents(include_topics, include_docstrings))
+
+
+@functools.lru_cache(maxsize=2)
+def _documents(include_topics: bool, include_docstrings: bool) -> tuple:
+    return tuple(_parse(include_topics, include_docstrings))
+
+
+def _parse(include_topics: bool, include_docstrings: bool) -> Iterator[list[str]]:
     if include_topics:
         from pydoc_data.topics import topics
         for key in sorted(topics):
