@@ -33,7 +33,7 @@ test-all: install ## Run every test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install ## The main job: prepare the built-in corpus, train a small BERT on CPU, evaluate
-	$(VENV)/bin/bert-prep corpus=builtin output_dir=prepared/builtin128
+	$(VENV)/bin/bert-prep corpus=builtin output_dir=prepared/builtin128 validation_fraction=0.05
 	$(VENV)/bin/bert-train experiment=demo
 
 bench: install ## Run the benchmarks (tables on stdout, JSON under bench/results/)
