@@ -385,3 +385,21 @@ def test_callback_under_parallel_joblib_launcher(tmp_path: Path) -> None:
     assert all(row["status"] == "completed" and float(row["duration_s"]) >= 0 for row in rows)
     job_nums = {json.loads((sweep / str(i) / "trial.json").read_text())["job_num"] for i in range(3)}
     assert job_nums == {0, 1, 2}
+
+
+def test_grid_sweep_failed_member_does_not_stop_the_sweep(prepared, tmp_path):
+    """A member with a bad value fails with its one-line error; the members after it still run,
+    Hydra exits non-zero at the end, and the summary lists the failure last."""
+    sweep = tmp_path / "grid"
+    r = bert_train_multirun("-m", *TINY, f"data.dir={prepared}", f"hydra.sweep.dir={sweep}",
+                            "trainer.warmup_steps=10,1")  # 10 >= trainer.max_steps=4
+    assert r.returncode != 0
+    assert "bert-train: error: trainer.warmup_steps (10) must be below trainer.max_steps (4)" \
+        in r.stderr
+    rows = read_csv(sweep / "summary.csv")
+    assert [(row["trainer.warmup_steps"], row["status"]) for row in rows] == [
+        ("1", "completed"), ("10", "failed")]
+    assert rows[1]["error"] == ("ConfigError: trainer.warmup_steps (10) must be below "
+                                "trainer.max_steps (4)")
+    assert float(rows[0]["eval_mlm_loss"]) == final_eval(Path(rows[0]["dir"]))
+    assert "job 0 failed: ConfigError" in r.stdout
