@@ -15,6 +15,16 @@ from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl, build
 PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors gain nothing from a second thread, and on a shared 2-core machine each
+    OpenMP region can stall on a descheduled partner; one thread keeps these tests fast."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny_config(**kw) -> BertConfig:
     base = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                 intermediate_size=64, max_position_embeddings=24)
