@@ -26,7 +26,8 @@ class PreTrainingOutput:
     nsp_loss: torch.Tensor | None = None
     prediction_logits: torch.Tensor | None = None
     """[B, L, V]; with `impl.sparse_prediction` and labels: [M, V] for the M labelled
-    positions, in row-major (batch, position) order, aligned with `mlm_labels`."""
+    positions, in row-major (batch, position) order, aligned with `mlm_labels`. Dense logits at
+    padding positions mean nothing (with `impl.unpad` they come from zero hidden states)."""
     mlm_labels: torch.Tensor | None = None
     """[M] labels of the sparse logits rows; None when the logits are dense."""
     seq_relationship_logits: torch.Tensor | None = None
