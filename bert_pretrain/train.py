@@ -36,6 +36,8 @@ def _run(cfg: DictConfig) -> float:
     try:
         if multirun:  # each sweep member trains in its own Hydra sweep subdirectory
             cfg.run_dir = HydraConfig.get().runtime.output_dir
+            if cfg.logger.group is None:  # one wandb group per sweep unless one was chosen
+                cfg.logger.group = HydraConfig.get().sweep.dir
         s = settings(cfg)
         from .trainer import train
 
@@ -101,8 +103,9 @@ def _precheck(overrides: list) -> None:
     """Compose the config once before Hydra runs, so that a misspelt key or option on the
     command line gets a one-line `bert-train: error:` (exit 2) like every other user error.
     Skipped for multirun (sweep syntax) and Hydra's own flags, which Hydra reports itself."""
-    if any(arg.startswith("-") for arg in overrides):
-        return
+    if any(arg.startswith("-") or arg.lstrip("+").startswith("hparams_search=")
+           for arg in overrides):
+        return  # hparams_search configs set hydra.mode=MULTIRUN: their sweeps are not errors
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

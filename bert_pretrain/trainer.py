@@ -191,7 +191,16 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     tc = s.trainer
     # ---------------------------------------------------------------- setup
     AcceleratorState._reset_state()  # several runs in one process (tests, sweeps)
-    accelerator = Accelerator(cpu=tc.cpu, mixed_precision=tc.mixed_precision)
+    # Without CUDA, accelerate treats a torchrun / `accelerate launch --multi_gpu` process as a
+    # lone process unless told cpu=True: N copies would each train alone into the same run_dir.
+    accelerator = Accelerator(cpu=tc.cpu or not torch.cuda.is_available(),
+                              mixed_precision=tc.mixed_precision)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise ConfigError(
+            f"launched as {launched} processes but accelerate set up {accelerator.num_processes}; "
+            f"check the launcher's device settings (e.g. trainer.cpu=true on CPU machines)"
+        )
     world, rank, main = accelerator.num_processes, accelerator.process_index, \
         accelerator.is_main_process
     data = PreparedData(s.data.dir)
