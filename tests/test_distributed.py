@@ -26,7 +26,7 @@ TOL = 1e-5
 # The smoke experiment's tiny model; log every step, checkpoint at step 3 and 6.
 COMMON = ["experiment=smoke", "trainer.max_steps=6", "trainer.global_batch_size=8",
           "trainer.log_every=1", "trainer.eval_every=3", "trainer.checkpoint_every=3",
-          "trainer.keep_last_k=5", "trainer.progress_bar=false", "trainer.cpu=true"]
+          "trainer.keep_last_k=5", "trainer.progress_bar=false"]
 
 
 def free_port() -> int:
@@ -98,7 +98,8 @@ def single(prepared, tmp_path_factory) -> Path:
 
 def test_accelerate_two_processes_equal_one_process_with_accumulation(prepared, single, tmp_path):
     run_dir = tmp_path / "run"
-    r = train_accelerate(2, f"data.dir={prepared}", f"run_dir={run_dir}")
+    r = train_accelerate(2, f"data.dir={prepared}", f"run_dir={run_dir}",
+                         "logger=wandb", "logger.mode=offline")
     assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in r.stdout, r.stdout
     one, two = train_records(single), train_records(run_dir)
     assert sorted(two) == list(range(1, 7))
@@ -115,6 +116,8 @@ def test_accelerate_two_processes_equal_one_process_with_accumulation(prepared, 
         assert e1["eval_mlm_accuracy"] == pytest.approx(e2["eval_mlm_accuracy"], abs=1e-9)
     # One writer: one final report, one wandb run; every rank saved its own RNG state.
     assert r.stdout.count("bert-train: finished at step 6") == 1
+    runs = [p for p in (run_dir / "wandb").iterdir() if p.name.startswith("offline-run-")]
+    assert len(runs) == 1, runs
     ckpt = run_dir / "checkpoints" / "step-00000006"
     assert sorted(p.name for p in ckpt.glob("rng_state_rank*.pt")) == [
         "rng_state_rank0.pt", "rng_state_rank1.pt"]

@@ -293,6 +293,12 @@ def test_grid_sweep_2x2_bert_train(prepared, tmp_path):
         assert float(row["objective"]) == pytest.approx(final_eval(member), rel=1e-12)
         assert row["step"] == "4"
     assert len(set(losses)) > 1  # the swept values reached the runs
+    # One wandb group per sweep by default: the sweep dir.
+    from omegaconf import OmegaConf
+
+    for row in rows:
+        saved = OmegaConf.load(Path(row["dir"]) / "checkpoints" / "step-00000004" / "config.yaml")
+        assert Path(saved.logger.group) == sweep
     table = (sweep / "summary.txt").read_text()
     assert table in r.stdout and "optim.lr" in table and "trainer.warmup_steps" in table
     assert (sweep / "summary.png").read_bytes()[:8] == PNG_MAGIC
@@ -300,7 +306,8 @@ def test_grid_sweep_2x2_bert_train(prepared, tmp_path):
 
 def test_optuna_search_3_trials_bert_train(prepared, tmp_path):
     sweep = tmp_path / "optuna"
-    r = bert_train_multirun("-m", "+hparams_search=mlm_tpe", *TINY, f"data.dir={prepared}",
+    r = bert_train_multirun("hparams_search=mlm_tpe", *TINY,  # the config implies -m
+                            f"data.dir={prepared}",
                             f"hydra.sweep.dir={sweep}", "hydra.sweeper.n_trials=3",
                             "hydra.sweeper.sampler.n_startup_trials=2",
                             # the search space of the config, narrowed to what 4 steps allow
@@ -346,7 +353,7 @@ def compose_train(overrides: list[str]):
 def test_hparams_search_configs_compose_and_sweep_real_keys(search):
     from omegaconf import OmegaConf
 
-    cfg = compose_train([f"+hparams_search={search}", "data.dir=x"])
+    cfg = compose_train([f"hparams_search={search}", "data.dir=x"])
     sweeper = cfg.hydra.sweeper
     assert sweeper._target_.endswith("OptunaSweeper") and sweeper.direction == "minimize"
     assert sweeper.sampler._target_ == "optuna.samplers.TPESampler"
@@ -403,3 +410,27 @@ def test_grid_sweep_failed_member_does_not_stop_the_sweep(prepared, tmp_path):
                                 "trainer.max_steps (4)")
     assert float(rows[0]["eval_mlm_loss"]) == final_eval(Path(rows[0]["dir"]))
     assert "job 0 failed: ConfigError" in r.stdout
+
+
+@pytest.mark.slow
+def test_optuna_wall_clock_budget_search_bert_train(prepared, tmp_path):
+    """hparams_search=mlm_tpe_budget: every trial trains for the same wall-clock budget."""
+    sweep = tmp_path / "budget"
+    budget_s = 1.8
+    r = bert_train_multirun("hparams_search=mlm_tpe_budget", "experiment=smoke",
+                            f"data.dir={prepared}", f"hydra.sweep.dir={sweep}",
+                            f"trainer.budget_hours={budget_s / 3600}", "trainer.log_every=1",
+                            "trainer.progress_bar=false", "hydra.sweeper.n_trials=2",
+                            "trainer.global_batch_size=choice(8,16)",
+                            "trainer.warmup_steps=range(0,2)")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
+    assert "trainer.global_batch_size" in rows[0] and "optim.lr" in rows[0]
+    for row in rows:
+        logs = [json.loads(l) for l in (Path(row["dir"]) / "metrics.jsonl").read_text()
+                .splitlines()]
+        train = [x for x in logs if "elapsed_s" in x]
+        # The budget ended the run (far below the max_steps bound), right after it was spent.
+        assert budget_s <= train[-1]["elapsed_s"] < budget_s + 1.5
+        assert int(row["step"]) < 10_000
