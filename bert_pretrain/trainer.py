@@ -201,6 +201,14 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
             f"launched as {launched} processes but accelerate set up {accelerator.num_processes}; "
             f"check the launcher's device settings (e.g. trainer.cpu=true on CPU machines)"
         )
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        # Checkpoints save the main process's full model/optimizer state: under FSDP/ZeRO those
+        # are shards, and the saved checkpoint would silently hold a fraction of the run.
+        raise ConfigError(
+            f"accelerate is set up for {accelerator.distributed_type.name}, which bert-train "
+            f"does not support yet (its checkpoints would hold only one shard); launch with DDP "
+            f"(conf/accelerate/multi_gpu.yaml or multi_node.yaml)"
+        )
     world, rank, main = accelerator.num_processes, accelerator.process_index, \
         accelerator.is_main_process
     data = PreparedData(s.data.dir)

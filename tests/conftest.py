@@ -79,3 +79,14 @@ def prep_gutenberg_small(tmp_path_factory):
     path = tmp_path_factory.mktemp("prep_small") / "small.txt"
     path.write_text("\n\n".join("\n".join(d.split("\n")[:400]) for d in docs), encoding="utf-8")
     return str(path)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors gain nothing from a second thread, and on a shared 2-core machine each
+    OpenMP region can stall on a descheduled partner; one thread keeps such tests fast."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,14 +10,7 @@ from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
 PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from a second thread, and on a shared 2-core machine each
-    OpenMP region can stall on a descheduled partner; one thread keeps these tests fast."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(**kw) -> BertConfig:
