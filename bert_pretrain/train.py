@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from .cli_errors import fail, precheck
 from .config import register, settings
 from .errors import UserError
 
@@ -26,8 +27,7 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def _fail(message: str) -> None:
-    print(f"bert-train: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    fail("bert-train", message)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
@@ -50,30 +50,6 @@ def _run(cfg: DictConfig) -> float:
             print(f"bert-train: error: {exc}", file=sys.stderr, flush=True)
             raise
         _fail(str(exc))
-
-
-def _one_line(exc: Exception) -> str:
-    """Hydra/OmegaConf composition errors span several lines (with full_key/object_type detail
-    and a HYDRA_FULL_ERROR hint); keep the lines that say what is wrong, and the options."""
-    lines, options = [], []
-    text = str(exc)
-    cause = exc.__cause__ or exc.__context__
-    if cause is not None and str(cause).splitlines():
-        text += "\n" + str(cause).splitlines()[0]
-        suggestion = _suggest(cause)
-        if suggestion:
-            text += "\n" + suggestion
-    for line in text.splitlines():
-        if line.startswith("To append to your config"):
-            continue
-        if line.startswith("\t"):
-            options.append(line.strip())
-        elif line.strip() and not line.startswith(" ") and not line.startswith("Config search"):
-            lines.append(line.strip().rstrip("."))
-    message = "; ".join(lines)
-    if options and "Available options" in message:
-        message = message.rstrip(":") + ": " + ", ".join(o for o in options if "provider=" not in o)
-    return message
 
 
 def _suggest(exc: Exception) -> str:
@@ -99,27 +75,11 @@ def _suggest(exc: Exception) -> str:
     return f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
 
 
-def _precheck(overrides: list) -> None:
-    """Compose the config once before Hydra runs, so that a misspelt key or option on the
-    command line gets a one-line `bert-train: error:` (exit 2) like every other user error.
-    Skipped for multirun (sweep syntax) and Hydra's own flags, which Hydra reports itself."""
-    if any(arg.startswith("-") or arg.lstrip("+").startswith("hparams_search=")
-           for arg in overrides):
-        return  # hparams_search configs set hydra.mode=MULTIRUN: their sweeps are not errors
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            compose(config_name="train", overrides=overrides, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as exc:
-        _fail(_one_line(exc) + " (see conf/ for the keys and options)")
-
-
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _precheck(sys.argv[1:])
+    # hparams_search configs set hydra.mode=MULTIRUN: their sweep syntax is not an error
+    precheck("bert-train", CONF_DIR, "train", sys.argv[1:], suggest=_suggest,
+             skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
     _run()
 
 

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bert_pretrain.cli_errors import precheck
 from data_prep.config import PrepConfig
 from data_prep.errors import PrepError
 
@@ -29,7 +30,7 @@ CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "co
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="prep")
-def main(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
     from data_prep.pipeline import run
     try:
         d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -38,6 +39,11 @@ def main(cfg: DictConfig) -> None:
         fail(str(e))
     except OmegaConfBaseException as e:
         fail(str(e).splitlines()[0])
+
+
+def main() -> None:
+    precheck("bert-prep", os.path.abspath(CONFIG_PATH), "prep", sys.argv[1:])
+    _run()
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ def test_cli_bad_inputs(tmp_path):
         (["masked_lm_prob=1.5"], r"masked_lm_prob=1.5 must be in \(0, 1\)"),
         (["+colour=blue"], r"unknown setting colour"),
         (["max_seq_length=abc"], r"max_seq_length='abc' is not a valid int"),
+        (["corpus=nope"], r"Could not find 'corpus/nope'; Available options in 'corpus': "
+                          r"builtin, documents, hf, text"),
+        (["max_seq_lenght=64"], r"Could not override 'max_seq_lenght'"),
     ]
     for args, pattern in cases:
         p = cli(f"output_dir={out}", *args)
