@@ -34,7 +34,7 @@ IGNORE_INDEX = -100  # label of positions that are not predicted (torch cross-en
 
 @dataclass
 class DataConfig:
-    """`conf/data/`: which prepared directory to train on and how to mask it."""
+    """`conf/train/data/`: which prepared directory to train on and how to mask it."""
 
     dir: str = "???"
     """Output directory of `bert-prep` (it must hold a complete manifest.json)."""

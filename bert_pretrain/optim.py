@@ -11,7 +11,7 @@ SCHEDULES = ("linear", "polynomial", "constant")
 
 @dataclass
 class OptimConfig:
-    """`conf/optim/`: the optimizer and its hyperparameters (they change results)."""
+    """`conf/train/optim/`: the optimizer and its hyperparameters (they change results)."""
 
     name: str = "adamw"
     """adamw (torch.optim.AdamW) or lamb (layer-wise adaptive moments, You et al. 2019)."""
@@ -37,7 +37,7 @@ class OptimConfig:
 
 @dataclass
 class SchedulerConfig:
-    """`conf/scheduler/`: the shape of the learning-rate curve after warmup.
+    """`conf/train/scheduler/`: the shape of the learning-rate curve after warmup.
 
     The length of training (trainer.max_steps, trainer.budget_hours) and of warmup
     (trainer.warmup_steps) belong to the trainer; the scheduler is only the shape.

@@ -12,14 +12,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def prep_compose():
-    """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep.yaml."""
+    """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep/prep.yaml."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from data_prep.config import PrepConfig
 
     def make(*overrides: str) -> PrepConfig:
-        with initialize_config_dir(os.path.join(REPO, "conf"), version_base="1.3"):
+        with initialize_config_dir(os.path.join(REPO, "conf", "prep"), version_base="1.3"):
             cfg = compose("prep", overrides=["progress=false", *overrides])
         return PrepConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
     return make

@@ -10,7 +10,7 @@ from bert_pretrain.config import settings
 from bert_pretrain.model import BertConfig
 from train_support import REPO, compose, read_metrics, train_in_process, write_prepared
 
-CONF = os.path.join(REPO, "conf")
+CONF = os.path.join(REPO, "conf", "train")
 # Shrink any model to a test size (the option's other fields, e.g. activation, stay as they are).
 SHRINK = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
           "model.intermediate_size=64"]

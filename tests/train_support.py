@@ -103,7 +103,7 @@ def compose(overrides):
     from bert_pretrain.config import register
 
     register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf", "train"), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides))
 
 
