@@ -382,7 +382,7 @@ class Trainer:
             self.bar.close()
             return self.finish()
         finally:
-            self._close()
+            self.close()
 
     def _finished(self) -> bool:
         budget = self.tc.budget_hours * 3600 if self.tc.budget_hours else None
@@ -630,7 +630,8 @@ class Trainer:
             self.log.info(f"  wandb:      {self.metrics.wandb_dir}")
         return float(result["eval_mlm_loss"])
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Release the log, the progress bar, signal handlers, metrics and the accelerator."""
         from .runlog import close_run_log
 
         if self.bar is not None:

@@ -192,3 +192,28 @@ def test_a_run_that_fails_at_setup_leaves_no_directory(tmp_path, synthetic):
     r = run_bert_train(base(synthetic, run, "model.num_attention_heads=3"), cwd=str(tmp_path))
     assert r.returncode == 2 and "divisible" in r.stderr
     assert not run.exists()
+
+
+def test_the_step_and_evaluation_hooks_reproduce_fit(tmp_path, synthetic):
+    """Benchmarks and the GPU work drive `Trainer.train_step` / `run_evaluation` themselves:
+    the same steps by hand give the losses fit() logs."""
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import settings
+    from bert_pretrain.trainer import Trainer
+    from train_support import compose
+
+    overrides = base(synthetic, tmp_path / "fit", "trainer.max_steps=3")
+    train_in_process(overrides)
+    logged = [r for r in read_metrics(tmp_path / "fit") if "loss" in r]
+    evaluated = [r for r in read_metrics(tmp_path / "fit") if "eval_mlm_loss" in r][-1]
+
+    cfg = compose(base(synthetic, tmp_path / "hand", "trainer.max_steps=3"))
+    trainer = Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
+    try:
+        results = [trainer.train_step() for _ in range(3)]
+        by_hand = trainer.run_evaluation()
+    finally:
+        trainer.close()
+    assert [r.loss for r in results] == [r["loss"] for r in logged]
+    assert by_hand["eval_mlm_loss"] == evaluated["eval_mlm_loss"]
