@@ -23,7 +23,6 @@ What transformers writes and we need to bridge:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -161,7 +160,7 @@ def read_hf_model(path: str, seed: int = 0) -> tuple[dict, dict]:
         raise CheckpointError(
             f"{path}: config.json says position_embedding_type="
             f"{config['position_embedding_type']} but the weights have no distance embeddings")
-    fresh = sorted({k.rsplit(".", 2)[0] for k in missing if k != "cls.predictions.decoder.bias"})
+    fresh = sorted({k.rsplit(".", 1)[0] for k in missing if k != "cls.predictions.decoder.bias"})
     if fresh:
         warnings.warn(f"{path} has no {', '.join(fresh)}: freshly initialised (they train with "
                       f"the rest; bert-predict results from them are meaningless until then)")
@@ -205,7 +204,7 @@ def _vocab_of(path: str) -> Optional[tuple]:
 
 def check_against_data(path: str, config: dict, data) -> list:
     """Refuse (one-line DataError) a transformers model that does not fit the prepared data:
-    vocab size, the tokenizer's vocabulary (sha256 of its vocab.txt, as bert-prep records it),
+    vocab size, the tokenizer's vocabulary (token by token against the data's vocab.txt),
     lower-casing, max positions vs max_seq_length. `data` is a `PreparedData` (or its dir).
     Returns warnings (e.g. the model directory has no tokenizer, so identity is unchecked)."""
     from .data import PreparedData
@@ -226,10 +225,17 @@ def check_against_data(path: str, config: dict, data) -> list:
                      f"tokenized with this model's vocabulary")
     else:
         tokens, lower = found
-        sha = hashlib.sha256("".join(t + "\n" for t in tokens).encode("utf-8")).hexdigest()
-        if sha != data.tokenizer_sha256 and not problems:
-            problems.append(f"the tokenizer's vocabulary differs (vocab.txt sha256 {sha[:12]} vs "
-                            f"the data's {str(data.tokenizer_sha256)[:12]})")
+        try:
+            data_tokens = data.vocab()
+        except DataError:
+            data_tokens = None
+        if data_tokens is not None and tokens != data_tokens and not problems:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, data_tokens)) if a != b),
+                         min(len(tokens), len(data_tokens)))
+            theirs = tokens[first] if first < len(tokens) else "<end>"
+            ours = data_tokens[first] if first < len(data_tokens) else "<end>"
+            problems.append(f"the tokenizer's vocabulary differs (token {first}: {theirs!r} vs "
+                            f"the data's {ours!r})")
         data_lower = data.manifest.get("tokenizer", {}).get("do_lower_case")
         if lower is not None and data_lower is not None and bool(lower) != bool(data_lower):
             problems.append(f"do_lower_case {lower} vs the data's {data_lower}")
