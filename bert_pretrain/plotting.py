@@ -62,7 +62,7 @@ class Panel:
     title: str
     ylabel: str
     series: list = field(default_factory=list)  # (run index, Series)
-    hlines: list = field(default_factory=list)  # (run index or None, y, label)
+    hlines: list = field(default_factory=list)  # (run index or None, y, label, style)
     ylim: Optional[tuple] = None
     log_ok: bool = True
 
@@ -93,10 +93,10 @@ def plot_panels(panels: Sequence[Panel], run_names: Sequence[str], xlabel: str, 
             ax.plot(xs, yv, s.style, marker=s.marker, markersize=3.5, color=color[run],
                     linewidth=1.4)
             styles.setdefault(s.label, (s.style, s.marker))
-        for run, y, label in panel.hlines:
-            ax.axhline(y, color="0.35" if run is None else color[run], linestyle=":",
+        for run, y, label, style in panel.hlines:
+            ax.axhline(y, color="0.35" if run is None else color[run], linestyle=style,
                        linewidth=1.3)
-            styles.setdefault(label, (":", None))
+            styles.setdefault(label, (style, None))
             ys.append(y)
         if panel.log_ok and spans_decades(ys):
             ax.set_yscale("log")
@@ -123,7 +123,10 @@ def plot_panels(panels: Sequence[Panel], run_names: Sequence[str], xlabel: str, 
                      title="runs and lines" if len(run_names) > 1 else "lines",
                      title_fontsize=9)
     if notes:
-        legend_ax.text(0.0, 0.02, "\n".join(notes), transform=legend_ax.transAxes, fontsize=8,
+        import textwrap
+
+        text = "\n".join(textwrap.fill(n, 48, subsequent_indent="  ") for n in notes)
+        legend_ax.text(0.0, 0.02, text, transform=legend_ax.transAxes, fontsize=8,
                        va="bottom", wrap=True, color="0.25")
     fig.suptitle(title, fontsize=11)
     return save(fig, path)
@@ -143,11 +146,14 @@ def plot_attention(maps: Any, tokens: Sequence[str], layers: Sequence[int],
                                                                side * len(layers) + 0.6),
                              layout="constrained", squeeze=False)
     fontsize = 8 if n <= 24 else (6 if n <= 48 else 4)
+    # One colour scale for every panel (so heads compare), up to the largest weight shown: a
+    # fixed 0..1 scale leaves most maps nearly black.
+    vmax = max(float(m.max()) for row in maps for m in row)
     image = None
     for i, layer in enumerate(layers):
         for j, head in enumerate(heads):
             ax = axes[i][j]
-            image = ax.imshow(maps[i][j], cmap="viridis", vmin=0.0, vmax=1.0,
+            image = ax.imshow(maps[i][j], cmap="viridis", vmin=0.0, vmax=vmax,
                               interpolation="nearest")
             ax.set_title(f"layer {layer}, head {head}", fontsize=9)
             ax.set_xticks(range(n), tokens, rotation=90, fontsize=fontsize)
