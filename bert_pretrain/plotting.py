@@ -68,11 +68,13 @@ class Panel:
 
 
 def plot_panels(panels: Sequence[Panel], run_names: Sequence[str], xlabel: str, title: str,
-                path: str, notes: Sequence[str] = ()) -> str:
+                path: str, notes: Sequence[str] = (), counts_x: bool = False) -> str:
     """A grid of panels sharing the x axis meaning; colour = run, line style = what (train,
-    held-out, baseline). The last cell holds the legend (runs and line styles) and `notes`."""
+    held-out, baseline). The last cell holds the legend (runs and line styles) and `notes`.
+    `counts_x`: x is a count (tokens), labelled 500k, 1M, ... rather than with a 1e6 offset."""
     plt = pyplot()
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter
 
     ncols = 4
     nrows = math.ceil((len(panels) + 1) / ncols)
@@ -109,6 +111,8 @@ def plot_panels(panels: Sequence[Panel], run_names: Sequence[str], xlabel: str, 
         ax.set_ylabel(panel.ylabel, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=9)
         ax.tick_params(labelsize=8)
+        if counts_x:
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.grid(True, alpha=0.3)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -181,7 +181,7 @@ def draw_curves(runs: list, out_dir: str) -> list:
                           title, os.path.join(out_dir, "curves_steps.png"), notes)
     by_tokens = plot_panels(
         _panels(runs, lambda run, r: r.get("tokens_seen", run.tokens_at(r["step"]))), names,
-        "tokens seen", title, os.path.join(out_dir, "curves_tokens.png"), notes)
+        "tokens seen", title, os.path.join(out_dir, "curves_tokens.png"), notes, counts_x=True)
     return [by_step, by_tokens]
 
 
