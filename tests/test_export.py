@@ -166,3 +166,17 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
     import json
     with open(tmp_path / "o3" / "config.json") as f:
         assert json.load(f)["position_embedding_type"] == "relative_key"
+
+
+def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
+    from bert_pretrain.hf_import import read_hf_model
+
+    out = str(tmp_path / "rt")
+    used = export(run, out)
+    config, state = read_hf_model(out)
+    ours = _ours(used)
+    assert BertConfig.from_dict(config) == ours.config
+    original = ours.state_dict()
+    assert state.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(state[key], value), key
