@@ -79,6 +79,9 @@ def main(argv=None) -> None:
     parser.add_argument("-o", "--out", default="attention.png", help="PNG to write "
                                                                      "(default: attention.png)")
     args = parser.parse_args(argv)
+    from .model_loading import one_line_warnings
+
+    one_line_warnings(PROG)
     try:
         if not os.path.exists(args.model):
             raise UserError(f"MODEL {args.model}: no such directory; pass a run directory, a "

@@ -73,6 +73,14 @@ def load_model(path: str) -> LoadedModel:
     return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) else None, checkpoint)
 
 
+def one_line_warnings(prog: str) -> None:
+    """Command lines: a warning (e.g. freshly initialised heads on import) as one
+    `<prog>: warning: ...` line instead of Python's two-line file:line format."""
+    import warnings
+
+    warnings.formatwarning = lambda message, *args, **kwargs: f"{prog}: warning: {message}\n"
+
+
 def _has_tokenizer(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.txt"))
 

@@ -152,6 +152,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.top_k < 1:
         parser.error("--top-k must be >= 1")
+    from .model_loading import one_line_warnings
+
+    one_line_warnings(PROG)
     try:
         items = _read_items(args, parser)
         if not os.path.exists(args.model):
