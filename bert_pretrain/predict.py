@@ -28,11 +28,8 @@ IS_NEXT = 0  # NSP class index of "B follows A" (see the module docstring)
 
 class Predictor:
     def __init__(self, model_path: str):
-        import torch
-
         from .model_loading import load_model, load_tokenizer
 
-        torch.set_grad_enabled(False)
         self.loaded = load_model(model_path)
         self.model = self.loaded.model
         self.tokenizer = load_tokenizer(self.loaded)
@@ -59,7 +56,8 @@ class Predictor:
         if not positions:
             raise UserError(f"no [MASK] in {text!r}: write [MASK] where a word should be "
                             f"predicted")
-        out = self.model(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
+        with torch.no_grad():
+            out = self.model(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
         probs = out.prediction_logits[0, positions].float().softmax(-1)
         top = probs.topk(min(top_k, probs.shape[-1]), dim=-1)
         masks = []
@@ -74,7 +72,8 @@ class Predictor:
         import torch
 
         _, ids, types = self._encode(a, b)
-        out = self.model(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
+        with torch.no_grad():
+            out = self.model(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)
         p = out.seq_relationship_logits[0].float().softmax(-1)[IS_NEXT].item()
         return {"a": a, "b": b, "is_next_probability": round(p, 6)}
 
