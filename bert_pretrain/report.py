@@ -203,17 +203,21 @@ def _duration(seconds) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
-def count_parameters(model_config: dict) -> Optional[int]:
-    """Parameters of the model (the tied decoder counted once), built without memory."""
-    if not model_config:
+def count_parameters(checkpoint: Optional[str]) -> Optional[int]:
+    """Parameters of a checkpoint's model (the tied decoder counted once), from the
+    model.safetensors header alone: no tensor is read, no model built."""
+    import numpy as np
+
+    file = os.path.join(checkpoint, "model.safetensors") if checkpoint else ""
+    if not os.path.isfile(file):
         return None
-    import torch
+    from safetensors import safe_open
 
-    from .model import BertConfig, BertForPreTraining
+    from .export import TIED_KEYS
 
-    with torch.device("meta"):
-        model = BertForPreTraining(BertConfig.from_dict(model_config))
-    return sum(p.numel() for p in model.parameters())
+    with safe_open(file, framework="numpy") as f:
+        return int(sum(np.prod(f.get_slice(k).get_shape(), dtype=np.int64) for k in f.keys()
+                       if k not in TIED_KEYS))
 
 
 def _get(config: dict, dotted: str):
@@ -257,7 +261,7 @@ def run_rows(run: Run) -> dict:
         "most-frequent-token baseline": _num(run.baseline),
         "held-out NSP loss": _num(final_eval.get("eval_nsp_loss")),
         "held-out NSP accuracy": _num(final_eval.get("eval_nsp_accuracy")),
-        "parameters": _num(count_parameters(run.model_config), "{:,}"),
+        "parameters": _num(count_parameters(run.checkpoint), "{:,}"),
     }
     mc = run.model_config or run.config.get("model") or {}
     for label, key in SETTINGS:

@@ -72,9 +72,10 @@ def test_report_of_one_run(runs):
     assert rows["peak learning rate"] == ["0.001"]
     from bert_pretrain.model import BertConfig, BertForPreTraining
     from bert_pretrain import checkpoint as ckpt
-    config = ckpt.read_train_state(ckpt.latest_checkpoint(run))["model_config"]
+    latest = ckpt.latest_checkpoint(run)
+    config = ckpt.read_train_state(latest)["model_config"]
     n = sum(p.numel() for p in BertForPreTraining(BertConfig.from_dict(config)).parameters())
-    assert count_parameters(config) == n and rows["parameters"] == [f"{n:,}"]
+    assert count_parameters(latest) == n and rows["parameters"] == [f"{n:,}"]
 
 
 def test_logged_baseline_wins_over_the_data(runs, tmp_path):
