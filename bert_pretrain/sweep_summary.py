@@ -1,4 +1,5 @@
 """Sweep summary: one table, CSV and plot for a Hydra multirun (grid or Optuna sweep).
+The picture is drawn by plotting.py (shared with bert-report and bert-attention).
 
 Two entry points share the same code:
 
@@ -185,7 +186,7 @@ def collect_trials(sweep_dir: str | os.PathLike) -> list[Trial]:
     sweep = Path(sweep_dir)
     if not sweep.is_dir():
         raise SweepSummaryError(f"sweep dir {sweep} does not exist; pass the dir `bert-train -m` "
-                                "printed (e.g. multirun/<date>/<time>)")
+                                "printed (multirun/<name>/<YYYY-MM-DD_HH-MM-SS>)")
     members = find_member_dirs(sweep)
     if not members:
         raise SweepSummaryError(
@@ -295,55 +296,18 @@ def write_csv(path: Path, trials: Sequence[Trial], metric: str, swept: Sequence[
     os.replace(tmp, path)
 
 
-def _as_numbers(values: Sequence[str]) -> list[float] | None:
-    try:
-        return [float(v) for v in values]
-    except ValueError:
-        return None
-
-
 def plot_metric(path: Path, trials: Sequence[Trial], metric: str, swept: Sequence[str]) -> None:
-    """One panel per swept hyperparameter: the metric of every trial that has it, best circled.
-
-    Numeric values get a numeric axis (log scale when they span a decade or more, as learning
-    rates do); anything else is categorical.  With nothing swept, the metric against job number.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on clusters and CI
-    import matplotlib.pyplot as plt
+    """One panel per swept hyperparameter (drawn by plotting.plot_sweep), best trial circled;
+    with nothing swept, the metric against the job number."""
+    from .plotting import plot_sweep
 
     scored = [t for t in trials if t.value(metric) is not None]
     params = list(swept) or ["job"]
-    fig, axes = plt.subplots(1, len(params), figsize=(4.2 * len(params), 3.6), squeeze=False)
-    for ax, param in zip(axes[0], params):
-        raw = [str(t.job_num) if param == "job" else t.overrides.get(param, "-") for t in scored]
-        ys = [t.value(metric) for t in scored]
-        nums = _as_numbers(raw)
-        if nums is not None:
-            xs: list[Any] = nums
-            if nums and min(nums) > 0 and max(nums) / min(nums) >= 10:
-                ax.set_xscale("log")
-        else:
-            categories = sorted(set(raw))
-            xs = [categories.index(r) for r in raw]
-            ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
-        ax.scatter(xs, ys, s=28, color="tab:blue", zorder=2)
-        if scored:  # ranked input: scored[0] is the best trial
-            ax.scatter(xs[:1], ys[:1], s=110, facecolors="none", edgecolors="tab:red",
-                       linewidths=1.5, zorder=3, label="best")
-            ax.legend(loc="best", fontsize=8)
-        ax.set_xlabel(param)
-        ax.set_ylabel(metric)
-        ax.grid(True, alpha=0.3)
-    n_failed = sum(t.value(metric) is None for t in trials)
-    fig.suptitle(f"{len(scored)} trials with {metric}" + (f", {n_failed} without" if n_failed
-                                                         else ""), fontsize=10)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    points = [({**t.overrides, "job": str(t.job_num)}, t.value(metric)) for t in scored]
+    n_failed = len(trials) - len(scored)
+    plot_sweep(str(path), points, metric, params,
+               f"{len(scored)} trials with {metric}" + (f", {n_failed} without" if n_failed
+                                                        else ""))
 
 
 def summarize(sweep_dir: str | os.PathLike, metric: str = "eval_mlm_loss", mode: str = "min",
@@ -502,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="bert-sweep-summary",
         description="Rank the members of a Hydra sweep dir; write summary.csv, summary.txt and "
                     "summary.png into it and print the table.")
-    p.add_argument("sweep_dir", help="the multirun dir, e.g. multirun/2026-01-31/12-00-00")
+    p.add_argument("sweep_dir", help="the multirun dir bert-train -m printed: "
+                                      "multirun/<name>/<YYYY-MM-DD_HH-MM-SS>")
     p.add_argument("--metric", default="eval_mlm_loss",
                    help="metrics.jsonl key to rank by, or 'objective' for the value returned to "
                         "the sweeper (default: eval_mlm_loss)")

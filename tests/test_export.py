@@ -1,6 +1,9 @@
-"""Export: transformers loads the exported directory and computes the same logits."""
+"""Export: stock transformers loads the exported directory (as BertForPreTraining,
+BertForMaskedLM, AutoModel, AutoModelForSequenceClassification and AutoTokenizer) and computes
+the same logits as our model; models it cannot represent are refused in one line."""
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -8,34 +11,35 @@ import pytest
 import torch
 
 from bert_pretrain import checkpoint as ckpt
-from bert_pretrain.export import export
+from bert_pretrain import export as export_mod
 from bert_pretrain.errors import UserError
+from bert_pretrain.export import export
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO, train_in_process, write_prepared
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A checkpoint from bert-train, with a tokenizer transformers can read."""
-    root = tmp_path_factory.mktemp("export")
+def _prepared(root):
     prepared = write_prepared(str(root / "prep"), num_train=32, num_valid=8)
-    tok = transformers.BertTokenizerFast(
-        vocab_file=os.path.join(prepared, "tokenizer", "vocab.txt"), do_lower_case=True)
+    tok = transformers.BertTokenizerFast(  # positional: vocab_file in 4.x, vocab in 5.x
+        os.path.join(prepared, "tokenizer", "vocab.txt"), do_lower_case=True)
     tok.save_pretrained(os.path.join(prepared, "tokenizer"))
+    return prepared
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A bert-train run directory (checkpoints at steps 3 and 6), with a tokenizer transformers
+    can read."""
+    root = tmp_path_factory.mktemp("export")
     run = str(root / "run")
-    train_in_process(["experiment=smoke", f"data.dir={prepared}", f"run_dir={run}",
-                      "trainer.max_steps=3", "model.hidden_act=gelu"])
-    return ckpt.latest_checkpoint(run)
+    train_in_process(["experiment=smoke", f"data.dir={_prepared(root)}", f"run_dir={run}",
+                      "model.hidden_act=gelu"])
+    return run
 
 
-def test_exported_model_matches_in_transformers(trained, tmp_path):
-    out = export(trained, str(tmp_path / "hf"))
-    ours = BertForPreTraining(BertConfig.from_dict(ckpt.read_train_state(trained)["model_config"]))
-    ckpt.load_weights(trained, ours)
-    ours.eval()
-    theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
+def _inputs():
     torch.manual_seed(0)
     ids = torch.randint(5, 64, (3, 12))
     ids[:, 0] = 2
@@ -43,33 +47,136 @@ def test_exported_model_matches_in_transformers(trained, tmp_path):
     mask[1, 8:] = 0
     types = torch.zeros_like(ids)
     types[:, 6:] = 1
+    return ids, mask, types
+
+
+def _ours(checkpoint):
+    model = BertForPreTraining(BertConfig.from_dict(ckpt.read_train_state(checkpoint)
+                                                    ["model_config"]))
+    ckpt.load_weights(checkpoint, model)
+    return model.eval()
+
+
+def test_export_of_a_run_loads_in_every_transformers_class(run, tmp_path, capsys):
+    out = str(tmp_path / "hf")
+    used = export(run, out)
+    assert used == ckpt.latest_checkpoint(run) and used.endswith("step-00000006")
+    ours = _ours(used)
+    ids, mask, types = _inputs()
+    keep = mask.bool()
     with torch.no_grad():
         a = ours(ids, attention_mask=mask, token_type_ids=types)
-        b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
-    keep = mask.bool()
-    torch.testing.assert_close(a.prediction_logits[keep], b.prediction_logits[keep],
-                               atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(a.seq_relationship_logits, b.seq_relationship_logits,
-                               atol=1e-4, rtol=1e-4)
-    # the weights were trained (not a fresh init that would also match)
-    fresh = transformers.BertForPreTraining(theirs.config).eval()
-    with torch.no_grad():
-        c = fresh(input_ids=ids, attention_mask=mask, token_type_ids=types)
-    assert not torch.allclose(c.prediction_logits, b.prediction_logits, atol=1e-3)
-    tokenizer = transformers.BertTokenizerFast.from_pretrained(out)
+        pre = transformers.BertForPreTraining.from_pretrained(out).eval()
+        b = pre(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        torch.testing.assert_close(b.prediction_logits[keep], a.prediction_logits[keep],
+                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.seq_relationship_logits, a.seq_relationship_logits,
+                                   atol=1e-5, rtol=1e-5)
+        mlm = transformers.BertForMaskedLM.from_pretrained(out).eval()
+        c = mlm(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        torch.testing.assert_close(c.logits[keep], a.prediction_logits[keep], atol=1e-5,
+                                   rtol=1e-5)
+        enc = transformers.AutoModel.from_pretrained(out).eval()
+        assert type(enc).__name__ == "BertModel"
+        d = enc(input_ids=ids, attention_mask=mask, token_type_ids=types)
+        ours_enc = ours.bert(ids, mask, types)
+        torch.testing.assert_close(d.pooler_output, ours_enc.pooled_output, atol=1e-5, rtol=1e-5)
+        # the weights were trained (a fresh init would not match)
+        fresh = transformers.BertForPreTraining(pre.config).eval()
+        assert not torch.allclose(fresh(input_ids=ids).prediction_logits,
+                                  pre(input_ids=ids).prediction_logits, atol=1e-3)
+    # A new classifier on the trained encoder, ready to fine-tune: it trains.
+    clf = transformers.AutoModelForSequenceClassification.from_pretrained(out, num_labels=3)
+    torch.testing.assert_close(clf.bert.embeddings.word_embeddings.weight,
+                               ours.bert.embeddings.word_embeddings.weight)
+    labels = torch.tensor([0, 1, 2])
+    loss = clf(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert clf.classifier.weight.grad is not None and torch.isfinite(loss)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.convert_tokens_to_ids("[MASK]") == 4
-    assert tokenizer("w1 w2")["input_ids"][0] == 2
+    assert tokenizer("w1 w2")["input_ids"] == [2, 6, 7, 3]
+    for name in os.listdir(out):
+        assert stat.S_IMODE(os.stat(os.path.join(out, name)).st_mode) == 0o644, name
 
 
-def test_export_cli_and_errors(trained, tmp_path):
+def test_export_of_a_checkpoint(run, tmp_path):
+    first = ckpt.list_checkpoints(run)[0][1]
+    out = str(tmp_path / "hf3")
+    assert export(first, out) == first
+    theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
+    ids, mask, types = _inputs()
+    with torch.no_grad():
+        a = _ours(first)(ids, attention_mask=mask, token_type_ids=types)
+        b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types)
+    torch.testing.assert_close(b.seq_relationship_logits, a.seq_relationship_logits,
+                               atol=1e-5, rtol=1e-5)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.export", *args], cwd=REPO,
+                          capture_output=True, text=True)
+
+
+def test_export_cli_and_errors(run, tmp_path):
     out = str(tmp_path / "cli")
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", trained, out], cwd=REPO,
-                       capture_output=True, text=True)
+    r = _cli(run, out)
     assert r.returncode == 0, r.stderr
+    assert "step-00000006" in r.stdout
     assert {"config.json", "model.safetensors", "vocab.txt"} <= set(os.listdir(out))
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", trained, out], cwd=REPO,
-                       capture_output=True, text=True)
+    r = _cli(run, out)
     assert r.returncode == 2 and r.stderr.startswith("bert-export: error:")
-    assert "not empty" in r.stderr
-    with pytest.raises(UserError, match="not a checkpoint"):
+    assert "not empty" in r.stderr and r.stderr.count("\n") == 1
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    r = _cli(run, str(a_file))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is a file" in r.stderr, r.stderr
+    r = _cli(str(tmp_path / "nope"), str(tmp_path / "y"))
+    assert r.returncode == 2 and "no such directory" in r.stderr and r.stderr.count("\n") == 1
+    with pytest.raises(UserError, match="neither a run directory"):
         export(str(tmp_path), str(tmp_path / "x"))
+
+
+def _fake_checkpoint(root, **model):
+    """A checkpoint of a model variant, written the way bert-train writes one."""
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, **model)
+    path = os.path.join(root, "checkpoints", "step-00000001")
+    os.makedirs(path)
+    from safetensors.torch import save_model
+    save_model(BertForPreTraining(config), os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, ckpt.STATE_JSON), "w") as f:
+        import json
+        json.dump({"step": 1, "model_config": config.to_dict()}, f)
+    return root
+
+
+def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
+    pre_ln = _fake_checkpoint(str(tmp_path / "preln"), pre_layer_norm=True)
+    with pytest.raises(UserError, match="pre_layer_norm=true has no transformers equivalent"):
+        export(pre_ln, str(tmp_path / "o1"))
+    assert not os.path.exists(tmp_path / "o1")
+    relative = _fake_checkpoint(str(tmp_path / "rel"), position_embedding_type="relative_key")
+    monkeypatch.setattr(export_mod, "_installed_transformers_major", lambda: 5)
+    with pytest.raises(UserError, match=r"needs transformers < 5"):
+        export(relative, str(tmp_path / "o2"))
+    # transformers 4.x computes relative positions: exported, position type kept in config.json
+    monkeypatch.setattr(export_mod, "_installed_transformers_major", lambda: 4)
+    export(relative, str(tmp_path / "o3"))
+    import json
+    with open(tmp_path / "o3" / "config.json") as f:
+        assert json.load(f)["position_embedding_type"] == "relative_key"
+
+
+def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
+    from bert_pretrain.hf_import import read_hf_model
+
+    out = str(tmp_path / "rt")
+    used = export(run, out)
+    config, state = read_hf_model(out)
+    ours = _ours(used)
+    assert BertConfig.from_dict(config) == ours.config
+    original = ours.state_dict()
+    assert state.keys() == original.keys()
+    for key, value in original.items():
+        assert torch.equal(state[key], value), key

@@ -434,3 +434,15 @@ def test_optuna_wall_clock_budget_search_bert_train(prepared, tmp_path):
         # The budget ended the run (far below the max_steps bound), right after it was spent.
         assert budget_s <= train[-1]["elapsed_s"] < budget_s + 1.5
         assert int(row["step"]) < 10_000
+
+
+def test_summary_help_names_the_real_sweep_layout(capsys) -> None:
+    """The --help example is the layout conf/train.yaml's hydra.sweep.dir produces."""
+    from omegaconf import OmegaConf
+
+    train_yaml = OmegaConf.load(Path(ss.__file__).parents[1] / "conf" / "train.yaml")
+    assert OmegaConf.to_container(train_yaml)["hydra"]["sweep"]["dir"] == \
+        "multirun/${name}/${now:%Y-%m-%d_%H-%M-%S}"
+    with pytest.raises(SystemExit):
+        ss.main(["--help"])
+    assert "multirun/<name>/<YYYY-MM-DD_HH-MM-SS>" in " ".join(capsys.readouterr().out.split())

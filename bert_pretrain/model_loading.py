@@ -1,0 +1,122 @@
+"""Find and load a trained model, whatever the user points at:
+
+* a run directory (`runs/demo`): its latest valid checkpoint;
+* a checkpoint (`runs/demo/checkpoints/step-00000400`);
+* a transformers directory (`bert-export` output, or any `save_pretrained` BERT).
+
+The result is OUR model (`bert_pretrain.model`), so pre-LN and relative-position models work
+everywhere, plus the directory holding its tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import CheckpointError
+
+
+@dataclass
+class LoadedModel:
+    model: object  # BertForPreTraining, in eval mode
+    tokenizer_dir: Optional[str]
+    source: str
+    """What was loaded, for messages: the checkpoint or the transformers directory."""
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A checkpoint directory from a run directory (its latest valid checkpoint) or a checkpoint;
+    integrity-checked where checkpoint.verify_checkpoint exists."""
+    from . import checkpoint as ckpt
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such directory; pass a run directory, a "
+                              f"<run_dir>/checkpoints/step-XXXXXXXX checkpoint or a bert-export "
+                              f"directory")
+    if not os.path.isfile(os.path.join(path, ckpt.STATE_JSON)):
+        if os.path.isdir(ckpt.checkpoints_root(path)):
+            latest = ckpt.latest_checkpoint(path)
+            if latest is None:
+                raise CheckpointError(f"run directory {path} has no valid checkpoint yet")
+            path = latest
+        else:
+            raise CheckpointError(f"{path} is neither a run directory (no checkpoints/) nor a "
+                                  f"checkpoint (no {ckpt.STATE_JSON})")
+    verify = getattr(ckpt, "verify_checkpoint", None)  # sha256 checks, where available
+    if verify is not None:
+        verify(path)
+    return path
+
+
+def load_model(path: str) -> LoadedModel:
+    """Our BertForPreTraining from a run dir, a checkpoint or a transformers directory."""
+    from . import checkpoint as ckpt
+    from .hf_import import is_hf_model_dir, read_hf_model
+    from .model import BertConfig, BertForPreTraining, ModelImpl
+
+    if os.path.isdir(path) and is_hf_model_dir(path):
+        config, state = read_hf_model(path)
+        model = BertForPreTraining(BertConfig.from_dict(config), ModelImpl())
+        model.load_state_dict(state, strict=True)
+        tokenizer = path if _has_tokenizer(path) else None
+        return LoadedModel(model.eval(), tokenizer, path)
+    checkpoint = resolve_checkpoint(path)
+    state = ckpt.read_train_state(checkpoint)
+    try:
+        config = BertConfig.from_dict(state["model_config"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint}: unreadable model config ({exc})") from None
+    model = BertForPreTraining(config, ModelImpl())
+    ckpt.load_weights(checkpoint, model)
+    tokenizer = os.path.join(checkpoint, "tokenizer")
+    return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) else None, checkpoint)
+
+
+def one_line_warnings(prog: str) -> None:
+    """Command lines: a warning (e.g. freshly initialised heads on import) as one
+    `<prog>: warning: ...` line instead of Python's two-line file:line format."""
+    import warnings
+
+    warnings.formatwarning = lambda message, *args, **kwargs: f"{prog}: warning: {message}\n"
+
+
+def _has_tokenizer(path: str) -> bool:
+    return any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "vocab.txt"))
+
+
+def load_tokenizer(loaded: LoadedModel):
+    """A `tokenizers.Tokenizer` that adds [CLS]/[SEP] (pairs with token types 0/1) and reads a
+    literal [MASK] in the text as the mask token."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    path = loaded.tokenizer_dir
+    if path is None:
+        raise CheckpointError(f"{loaded.source} has no tokenizer (vocab.txt or tokenizer.json) "
+                              f"beside it; copy the data's tokenizer/ files there")
+    json_file = os.path.join(path, "tokenizer.json")
+    if os.path.isfile(json_file):
+        tok = Tokenizer.from_file(json_file)
+    else:
+        import json
+
+        from tokenizers import BertWordPieceTokenizer
+
+        lower = True
+        cfg = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg, encoding="utf-8") as f:
+                lower = json.load(f).get("do_lower_case", True)
+        tok = BertWordPieceTokenizer(os.path.join(path, "vocab.txt"), lowercase=lower)._tokenizer
+    ids = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise CheckpointError(f"the tokenizer in {path} lacks {' '.join(missing)}")
+    tok.post_processor = TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    tok.no_truncation()
+    tok.no_padding()
+    tok.encode_special_tokens = False  # "[MASK]" typed by the user is the mask token
+    return tok
