@@ -70,6 +70,8 @@ class TrainerConfig:
     """A checkpoint directory to take the weights from (phase 2): fresh optimizer, schedule
     and data position."""
     progress_bar: bool = True
+    report: bool = True
+    """At the end, write <run_dir>/report/ (report.md and curves, as bert-report draws them)."""
     cpu: bool = False
     """Train on CPU even when a GPU is present."""
 
@@ -171,6 +173,8 @@ class Trainer:
         self._setup_optimizer_and_resume()
         # Loop state; `fit` adds the progress bar and the signal handlers.
         self.stop, self.bar, self.stopped_early, self.nonfinite = None, None, False, 0
+        for note in getattr(self, "import_notes", []):
+            self.log.warning(f"bert-train: warning: {note}")
         self.window = torch.zeros(4, dtype=torch.float64)  # loss, mlm, nsp, steps logged
         self.window_tokens, self.window_start = 0, time.perf_counter()
         self.clock = time.perf_counter() - self.elapsed  # elapsed counts training time only
@@ -252,9 +256,14 @@ class Trainer:
         from .model import BertConfig, BertForPreTraining, ModelImpl
 
         s, data = self.s, self.data
+        self.hf_state = None
         try:
-            self.model_cfg = BertConfig.from_dict(s.model, vocab_size=data.vocab_size,
-                                                  pad_token_id=data.special.get("pad", 0))
+            if self.tc.init_from and self._init_from_transformers():
+                model_values = self._read_transformers_model()
+            else:
+                model_values = {**s.model, "vocab_size": data.vocab_size,
+                                "pad_token_id": data.special.get("pad", 0)}
+            self.model_cfg = BertConfig.from_dict(model_values)
             impl = ModelImpl.from_dict(s.impl)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
@@ -266,6 +275,31 @@ class Trainer:
             )
         set_seed(s.seed)  # model init is a function of the seed alone
         self.raw_model = BertForPreTraining(self.model_cfg, impl)
+
+    def _init_from_transformers(self) -> bool:
+        from .hf_import import is_hf_model_dir
+
+        return os.path.isdir(self.tc.init_from) and is_hf_model_dir(self.tc.init_from)
+
+    def _read_transformers_model(self) -> dict:
+        """Continued pretraining from a transformers BERT directory: its config.json is the
+        model config (model.* settings are not used) and its tokenizer must be the data's."""
+        import warnings
+
+        from .hf_import import check_against_data, read_hf_model
+
+        path, data = self.tc.init_from, self.data
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config, self.hf_state = read_hf_model(path, seed=self.s.seed)
+            notes = check_against_data(path, config, data)
+        pad = data.special.get("pad", 0)
+        if config.get("pad_token_id", pad) != pad:
+            raise DataError(f"trainer.init_from={path} has pad_token_id "
+                            f"{config['pad_token_id']} but [PAD] is token {pad} in the data; "
+                            f"prepare the data with bert-prep tokenizer.vocab_file={path}")
+        self.import_notes = [str(w.message) for w in caught] + list(notes)
+        return {**config, "pad_token_id": pad}
 
     def _setup_run(self) -> None:
         from . import checkpoint as ckpt
@@ -292,7 +326,9 @@ class Trainer:
         s, tc, acc = self.s, self.tc, self.accelerator
         self.state = {"step": 0, "tokens_seen": 0, "samples_consumed": 0, "elapsed_seconds": 0.0}
         source = self.resume_path or tc.init_from
-        if source:
+        if source and self.hf_state is not None and not self.resume_path:
+            self.raw_model.load_state_dict(self.hf_state, strict=True)
+        elif source:
             saved = ckpt.read_train_state(source)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
                                   self.data.tokenizer_sha256)
@@ -587,7 +623,8 @@ class Trainer:
             f"parameters; {self.stream.split.num_instances} training instances; {self.world} "
             f"process(es), global batch {tc.global_batch_size} = {self.world} x {self.micro} x "
             f"{self.accumulation} accumulation; warmup {tc.warmup} steps; run_dir {self.run_dir}"
-            + (f"; resumed from {self.resume_path}" if self.resume_path else ""))
+            + (f"; resumed from {self.resume_path}" if self.resume_path else
+               f"; weights from {tc.init_from}" if tc.init_from else ""))
         if not self.can_evaluate:
             self.log.info(f"bert-train: the held-out split {self.s.data.eval_split!r} of "
                           f"{self.s.data.dir} is empty (bert-prep validation_fraction=0): "
@@ -628,7 +665,20 @@ class Trainer:
                       f"{os.path.join(final, 'config.yaml')}")
         if self.metrics.wandb_dir:
             self.log.info(f"  wandb:      {self.metrics.wandb_dir}")
+        if self.main and self.tc.report:
+            self._write_report()
         return float(result["eval_mlm_loss"])
+
+    def _write_report(self) -> None:
+        """report.md and curves (bert-report) in the run directory; a failed picture never
+        fails a finished run."""
+        from .report import write_run_report
+
+        try:
+            self.log.info(f"  report:     {write_run_report(self.run_dir)}")
+        except Exception as exc:  # plotting back-ends, fonts, a full disk: say it, go on
+            self.log.warning(f"bert-train: warning: no run report ({str(exc).splitlines()[0]}); "
+                             f"draw it later with bert-report {self.run_dir}")
 
     def close(self) -> None:
         """Release the log, the progress bar, signal handlers, metrics and the accelerator."""

@@ -176,7 +176,8 @@ def test_warmup_is_a_fraction_of_the_run_unless_set():
 def test_console_lines_and_train_log(tmp_path, synthetic):
     run = tmp_path / "run"
     r = run_bert_train(base(synthetic, run, "trainer.max_steps=4", "trainer.eval_every=2",
-                            "trainer.warmup_steps=null"), cwd=str(tmp_path))
+                            "trainer.warmup_steps=null", "trainer.report=true"),
+                       cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     evals = [ln for ln in r.stdout.splitlines() if "held-out MLM loss" in ln]
     assert len(evals) == 1 and evals[0].startswith("bert-train: step 2: held-out MLM loss ")
@@ -185,6 +186,9 @@ def test_console_lines_and_train_log(tmp_path, synthetic):
     for line in r.stdout.splitlines():
         if line.startswith(("bert-train:", "  checkpoint:", "  metrics:")):
             assert line in log, line
+    # bert-train draws the run's report at the end
+    assert f"  report:     {run / 'report' / 'report.md'}" in r.stdout
+    assert (run / "report" / "report.md").is_file()
 
 
 def test_a_run_that_fails_at_setup_leaves_no_directory(tmp_path, synthetic):
@@ -217,3 +221,40 @@ def test_the_step_and_evaluation_hooks_reproduce_fit(tmp_path, synthetic):
         trainer.close()
     assert [r.loss for r in results] == [r["loss"] for r in logged]
     assert by_hand["eval_mlm_loss"] == evaluated["eval_mlm_loss"]
+
+
+def test_init_from_a_transformers_directory_continues_its_training(tmp_path, synthetic):
+    """trainer.init_from=<save_pretrained dir>: its config is the model, its weights the start;
+    the first step's loss is transformers' loss on the same batch."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from bert_pretrain.data import DataConfig, PreparedData, TrainStream
+
+    hf_cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    reference = transformers.BertForPreTraining(hf_cfg).eval()
+    source = tmp_path / "hf"
+    reference.save_pretrained(source)
+    shutil.copy(os.path.join(synthetic, "tokenizer", "vocab.txt"), source / "vocab.txt")
+
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, f"trainer.init_from={source}", "trainer.max_steps=3",
+                          "model.hidden_size=128", "trainer.micro_batch_size=8"))
+    first = [r for r in read_metrics(run) if "loss" in r][0]
+    batch = TrainStream(PreparedData(synthetic), DataConfig(dir=synthetic), 1234, 8, 8, 1,
+                        0).next_step()[0]
+    with torch.no_grad():
+        expected = reference(**{k: v for k, v in batch.items() if k != "num_tokens"}).loss
+    assert first["loss"] == pytest.approx(expected.item(), abs=1e-5)
+    state = json.loads((run / "checkpoints" / "step-00000003" / "trainer_state.json")
+                       .read_text())
+    assert state["model_config"]["hidden_size"] == 32  # the directory's, not model.*'s
+
+    # A vocabulary that is not the data's is refused in one line naming the fix.
+    (source / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(64)) + "\n")
+    with pytest.raises(DataError, match="vocabulary differs .* bert-prep tokenizer.vocab_file="):
+        train_in_process(base(synthetic, tmp_path / "other", f"trainer.init_from={source}"))

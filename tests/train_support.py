@@ -86,8 +86,17 @@ def write_prepared(root: str, num_train: int = 96, num_valid: int = 24, seq: int
 def run_bert_train(args, cwd, env=None, timeout=600):
     """bert-train in a subprocess (the real entry point: Hydra, exit codes, stderr)."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *_no_report(args)],
+                          cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _no_report(overrides) -> list:
+    """Tests skip the end-of-run pictures (seconds of matplotlib per run) unless they ask."""
+    overrides = list(overrides)
+    if not any(o.startswith("trainer.report=") for o in overrides):
+        overrides.append("trainer.report=false")
+    return overrides
 
 
 def read_metrics(run_dir: str) -> list:
@@ -114,6 +123,6 @@ def train_in_process(overrides) -> float:
     from bert_pretrain.config import settings
     from bert_pretrain.trainer import train
 
-    cfg = compose(overrides)
+    cfg = compose(_no_report(overrides))
     return train(settings(cfg), OmegaConf.to_container(cfg, resolve=True),
                  OmegaConf.to_yaml(cfg, resolve=True))
