@@ -29,13 +29,13 @@ TRICKY = [
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, prep_gutenberg_small):
+def trained(tmp_path_factory, prep_small):
     out = {}
     for lower in (True, False):
         d = str(tmp_path_factory.mktemp("prep_tok") / "tokenizer")
         pt = prepare_tokenizer(TokenizerConfig(vocab_size=3000, do_lower_case=lower),
                                lambda: _sentence_batches(TextCorpusConfig(
-                                   paths=[prep_gutenberg_small])), d, progress=False)
+                                   paths=[prep_small])), d, progress=False)
         out[lower] = (d, pt)
     return out
 
@@ -46,13 +46,13 @@ def _sample_lines(path, n=3000):
 
 
 @pytest.mark.parametrize("lower", [True, False])
-def test_transformers_loads_and_encodes_identically(trained, lower, prep_gutenberg_small):
+def test_transformers_loads_and_encodes_identically(trained, lower, prep_small):
     transformers = pytest.importorskip("transformers")
     d, pt = trained[lower]
     hf = transformers.BertTokenizerFast.from_pretrained(d)
     assert len(hf) == pt.vocab_size
     assert hf.cls_token_id == pt.special_ids["cls"] and hf.mask_token_id == pt.special_ids["mask"]
-    lines = _sample_lines(prep_gutenberg_small)
+    lines = _sample_lines(prep_small)
     ids, lens = CorpusEncoder(pt.tokenizer, pt.token_dtype).encode(lines)
     ours = np.split(ids.astype(np.int64), np.cumsum(lens)[:-1])
     for text, o in zip(lines, ours):
@@ -69,9 +69,9 @@ def test_transformers_loads_and_encodes_identically(trained, lower, prep_gutenbe
 
 
 @pytest.mark.parametrize("lower", [True, False])
-def test_cached_encoder_is_exact(trained, lower, prep_gutenberg_small):
+def test_cached_encoder_is_exact(trained, lower, prep_small):
     _, pt = trained[lower]
-    lines = _sample_lines(prep_gutenberg_small, 20000)
+    lines = _sample_lines(prep_small, 20000)
     enc = CorpusEncoder(pt.tokenizer, pt.token_dtype, max_cache=500)   # also exercises reset
     assert enc.cached
     got = [enc.encode(lines[i:i + 700]) for i in range(0, len(lines), 700)]
@@ -111,8 +111,8 @@ def test_bad_vocabularies(tmp_path):
         load_tokenizer(str(bpe))
 
 
-def test_trained_vocab_prep_end_to_end(prep_compose, prep_gutenberg_small, tmp_path):
-    m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_gutenberg_small}]",
+def test_trained_vocab_prep_end_to_end(prep_compose, prep_small, tmp_path):
+    m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_small}]",
                          f"output_dir={tmp_path}", "tokenizer.vocab_size=2000", "dupe_factor=1"))
     assert m["vocab_size"] == 2000 and m["token_dtype"] == "uint16"
     assert m["special_token_ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
@@ -166,15 +166,15 @@ def test_sentences_without_tokens_are_dropped_documents_kept(tmp_path, trained):
         assert store.doc_off.tolist() == [0, 2, 3, 4]
 
 
-def test_training_on_a_prefix(prep_compose, prep_gutenberg_small, tmp_path):
+def test_training_on_a_prefix(prep_compose, prep_small, tmp_path):
     from data_prep.tokenizer import _limited
     batches = iter([["a", "b", "c"], ["d", "e"], ["f"]])
     assert list(_limited(batches, 4)) == [["a", "b", "c"], ["d"]]
     full = prepare_tokenizer(TokenizerConfig(vocab_size=3000), lambda: _sentence_batches(
-        TextCorpusConfig(paths=[prep_gutenberg_small])), str(tmp_path / "a"), progress=False)
+        TextCorpusConfig(paths=[prep_small])), str(tmp_path / "a"), progress=False)
     prefix = prepare_tokenizer(TokenizerConfig(vocab_size=3000, max_training_sentences=300),
                                lambda: _sentence_batches(TextCorpusConfig(
-                                   paths=[prep_gutenberg_small])), str(tmp_path / "b"),
+                                   paths=[prep_small])), str(tmp_path / "b"),
                                progress=False)
     assert prefix.vocab_size < full.vocab_size      # 300 sentences cannot fill 3,000 entries
 
