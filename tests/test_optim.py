@@ -108,3 +108,77 @@ def test_budget_mode_follows_elapsed_time_and_restores_state():
     resumed = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
     resumed.load_state_dict(s.state_dict())
     assert resumed.factor(50, elapsed=55.0) == s.factor(50, elapsed=55.0)
+
+
+def _real_model_with_grads():
+    """A tiny BertForPreTraining with gradients from one real batch."""
+    from bert_pretrain.model import BertConfig, BertForPreTraining
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForPreTraining(cfg)
+    with torch.no_grad():   # LayerNorms start at exactly 1 / 0: move them off that
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(5, 50, (4, 12))
+    labels = torch.where(torch.rand(4, 12) < 0.3, ids, torch.full_like(ids, -100))
+    labels[:, 1] = ids[:, 1]
+    model(ids, labels=labels, next_sentence_label=torch.tensor([0, 1, 0, 1])).loss.backward()
+    return model
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_real_model_wiring_no_decay_no_adaptation_for_1d(name):
+    """Every 1-d parameter of a real model (biases, LayerNorms, the MLM bias) gets no weight
+    decay and, with LAMB, no trust ratio; every matrix gets both; each tensor once."""
+    model = _real_model_with_grads()
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-2, weight_decay=0.1),
+                          model.named_parameters())
+    seen = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert id(p) not in seen, "a tensor is in two groups"
+            seen[id(p)] = group
+    params = dict(model.named_parameters())
+    assert set(seen) == {id(p) for p in params.values()}
+    one_d = [n for n, p in params.items() if p.ndim == 1]
+    assert any("LayerNorm" in n for n in one_d) and "cls.predictions.bias" in one_d
+    for n, p in params.items():
+        group = seen[id(p)]
+        if p.ndim == 1:
+            assert group["weight_decay"] == 0.0, n
+            if name == "lamb":
+                assert group["exclude_from_layer_adaptation"] is True, n
+        else:
+            assert group["weight_decay"] == 0.1, n
+            if name == "lamb":
+                assert group["exclude_from_layer_adaptation"] is False, n
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_one_step_on_a_layernorm_weight_and_a_matrix(name):
+    """One optimizer step on a real model against the formulas, computed here.  Step 1 of Adam
+    moves by g / (|g| + eps) (bias-corrected moments); a LayerNorm weight gets no decay and (LAMB)
+    no trust ratio; a matrix gets decay and (LAMB) ratio ||w|| / ||u||."""
+    model = _real_model_with_grads()
+    lr, wd, eps = 1e-2, 0.1, 1e-6
+    ln = model.bert.encoder.layer[0].attention.output.LayerNorm.weight
+    mat = model.bert.encoder.layer[0].intermediate.dense.weight
+    before = {k: (p.detach().double().clone(), p.grad.double().clone())
+              for k, p in (("ln", ln), ("mat", mat))}
+    opt = build_optimizer(OptimConfig(name=name, lr=lr, weight_decay=wd, eps=eps, fused=False),
+                          model.named_parameters())
+    opt.step()
+    w, g = before["ln"]
+    adam = g / (g.abs() + eps)
+    torch.testing.assert_close(ln.detach().double(), w - lr * adam, rtol=1e-6, atol=1e-7)
+    w, g = before["mat"]
+    adam = g / (g.abs() + eps)
+    if name == "adamw":
+        expected = w * (1 - lr * wd) - lr * adam
+    else:
+        u = adam + wd * w
+        expected = w - lr * (w.norm() / u.norm()) * u
+    torch.testing.assert_close(mat.detach().double(), expected, rtol=1e-6, atol=1e-7)
