@@ -323,3 +323,28 @@ def test_dynamic_whole_word_masking_decides_80_10_10_per_word(tmp_path):
     assert kinds["mask"] / total == pytest.approx(0.8, abs=0.03)
     assert kinds["kept"] / total == pytest.approx(0.1, abs=0.025)
     assert kinds["random"] / total == pytest.approx(0.1, abs=0.025)
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.3, 0.4])
+def test_dynamic_masking_rate_is_not_capped_by_the_prep_budget(tmp_path, prob):
+    """Data prepared with max_predictions_per_seq=20 at 15% (Google's 128/20): the dynamic
+    rate data.masked_lm_prob is what the model gets, not min(20, ...) per row."""
+    root = write_prepared(str(tmp_path / "p"), num_train=300, num_valid=4, seq=128, max_pred=20,
+                          vocab_size=200)
+    data = PreparedData(root)
+    rows = data.split("train").gather(np.arange(300))
+    ids = unmasked_ids(rows)
+    lengths = rows["lengths"].astype(np.int64)
+    assert (np.rint(lengths * prob) > 20).mean() > 0.3 or prob == 0.15   # rows a cap of 20 clips
+    _, labels = Masker(data, seed=3, masked_lm_prob=prob)(ids, lengths, np.zeros(300, np.int64),
+                                                          np.arange(300))
+    per_row = (labels != -100).sum(1)
+    assert (per_row == np.maximum(1, np.rint(lengths * prob))).all()
+    assert per_row.sum() / lengths.sum() == pytest.approx(prob, abs=0.005)
+
+
+def test_masked_lm_prob_is_refused_with_static_masking():
+    with pytest.raises(ValueError, match="data.masked_lm_prob=0.2 only applies to data.masking="
+                                         "dynamic"):
+        DataConfig(dir="x", masking="static", masked_lm_prob=0.2)
+    assert DataConfig(dir="x", masking="dynamic", masked_lm_prob=0.2).masked_lm_prob == 0.2
