@@ -211,3 +211,75 @@ def test_a_second_host_uses_the_tokenizer_saved_first(trained, tmp_path):
     mine = _finish(*load_tokenizer(str(other)))
     assert save_tokenizer(mine, str(shared), replace=False) is False
     assert (shared / "vocab.txt").read_text(encoding="utf-8").count("\n") == pt.vocab_size
+
+
+_NORMALISER_TEXTS = ["Café naïve résumé déjà", "CAFÉ Naïve cafe naive", "中文字符 and 日本語",
+                     "Ünïcödé ñ ç ø", "plain ascii words"]
+
+
+def _small_vocab():
+    chars = sorted(set("".join(_NORMALISER_TEXTS) + "".join(_NORMALISER_TEXTS).lower()
+                       + "abcdefghijklmnopqrstuvwxyz") - {" "})
+    words = ["café", "naïve", "résumé", "déjà", "cafe", "naive", "resume", "deja", "plain",
+             "ascii", "words", "and", "中文字符", "日本語", "Café", "CAFÉ", "Naïve"]
+    vocab = list(SPECIALS_ORDER) + words + chars + ["##" + c for c in chars]
+    return {t: i for i, t in enumerate(dict.fromkeys(vocab))}
+
+
+SPECIALS_ORDER = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lowercase=True, strip_accents=False, handle_chinese_chars=True),
+    dict(lowercase=True, strip_accents=None, handle_chinese_chars=True),
+    dict(lowercase=False, strip_accents=None, handle_chinese_chars=True),
+    dict(lowercase=False, strip_accents=True, handle_chinese_chars=False),
+    dict(lowercase=True, strip_accents=True, handle_chinese_chars=False),
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_reused_tokenizer_json_round_trips_accents_and_cjk(tmp_path, settings, capsys):
+    """A reused tokenizer.json's normaliser settings reach tokenizer_config.json, so that
+    transformers' BertTokenizerFast (which rebuilds its normaliser from that file) encodes
+    exactly like the tokenizer that wrote the data: accents kept or stripped, CJK split or not,
+    case kept or lowered."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import BertWordPieceTokenizer
+    src = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(_small_vocab(), clean_text=True, **settings)._tokenizer.save(str(src))
+    out = tmp_path / "out"
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src), do_lower_case=settings["lowercase"]),
+                           None, str(out), progress=False)
+    assert capsys.readouterr().err == ""          # do_lower_case agrees: no warning
+    hf = transformers.BertTokenizerFast.from_pretrained(str(out))
+    ours = pt.tokenizer.encode_batch(_NORMALISER_TEXTS, add_special_tokens=False)
+    for text, enc in zip(_NORMALISER_TEXTS, ours):
+        assert hf(text, add_special_tokens=False)["input_ids"] == enc.ids, text
+    unk = pt.special_ids["unk"]
+    if settings["strip_accents"] is False:        # the accented words are in the vocab
+        assert unk not in ours[0].ids
+    cfg = json.load(open(out / "tokenizer_config.json"))
+    assert cfg["do_lower_case"] is settings["lowercase"]
+    assert cfg["tokenize_chinese_chars"] is settings["handle_chinese_chars"]
+
+
+def test_vocab_txt_cased_round_trips_accents_and_cjk(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("".join(t + "\n" for t in _small_vocab()), encoding="utf-8")
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(vocab), do_lower_case=False), None,
+                           str(tmp_path / "out"), progress=False)
+    hf = transformers.BertTokenizerFast.from_pretrained(str(tmp_path / "out"))
+    for text, enc in zip(_NORMALISER_TEXTS,
+                         pt.tokenizer.encode_batch(_NORMALISER_TEXTS, add_special_tokens=False)):
+        assert hf(text, add_special_tokens=False)["input_ids"] == enc.ids, text
+    assert hf.tokenize("Café") == ["Café"]         # cased: neither lowered nor stripped
+
+
+def test_do_lower_case_that_disagrees_with_a_tokenizer_json_is_reported(tmp_path, capsys):
+    from tokenizers import BertWordPieceTokenizer
+    src = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(_small_vocab(), lowercase=False)._tokenizer.save(str(src))
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src), do_lower_case=True), None,
+                           str(tmp_path / "out"), progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.do_lower_case=true is ignored" in err[0], err
+    assert "tokenizer.json" in err[0] and not pt.do_lower_case
