@@ -182,3 +182,50 @@ def test_one_step_on_a_layernorm_weight_and_a_matrix(name):
         u = adam + wd * w
         expected = w - lr * (w.norm() / u.norm()) * u
     torch.testing.assert_close(mat.detach().double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def nvidia_poly_warmup(step, warmup_steps, total_steps, degree=0.5):
+    """NVIDIA DeepLearningExamples' PolyWarmUpScheduler (PyTorch BERT), as a factor of the peak:
+    progress = step / total; linear warmup to progress = warmup, then (1 - progress) ** degree
+    over ALL steps (so the decay starts below the peak)."""
+    progress = step / total_steps
+    warmup = warmup_steps / total_steps
+    return progress / warmup if progress < warmup else (1 - progress) ** degree
+
+
+@pytest.mark.parametrize("max_steps,warmup_steps,at_warmup_end",
+                         [(7038, 2000, 0.846), (1563, 200, 0.934)])
+def test_decay_from_start_follows_nvidia_poly_warmup(max_steps, warmup_steps, at_warmup_end):
+    """Phase 1 (7,038 steps, 2,000 warmup) and phase 2 (1,563, 200): after warmup the factor is
+    NVIDIA's (1 - step / total) ** 0.5, 0.846x the peak at the end of phase 1's warmup."""
+    cfg = SchedulerConfig(name="polynomial", power=0.5, decay_from="start")
+    s = Schedule(cfg, max_steps=max_steps, warmup_steps=warmup_steps)
+    assert s.factor(warmup_steps - 1) == 1.0
+    assert s.factor(warmup_steps) == pytest.approx(at_warmup_end, abs=5e-4)
+    for step in range(warmup_steps, max_steps, 97):
+        assert s.factor(step) == pytest.approx(nvidia_poly_warmup(step, warmup_steps, max_steps),
+                                               rel=1e-12)
+    assert s.factor(max_steps) == 0.0
+    # The warmup-end decay (the default) restarts from the peak: 1.18x NVIDIA's rate in phase 1.
+    old = Schedule(SchedulerConfig(name="polynomial", power=0.5), max_steps, warmup_steps)
+    assert old.factor(warmup_steps) == 1.0
+    # Budget mode: the same curve over elapsed / budget.
+    b = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
+    b.factor(0, 0.0)
+    assert b.factor(5, elapsed=36.0) == pytest.approx(0.8)
+
+
+def test_bert_base_experiments_use_nvidia_schedule():
+    from train_support import compose
+    for name, (steps, warmup) in {"bert_base_phase1": (7038, 2000),
+                                  "bert_base_phase2": (1563, 200)}.items():
+        cfg = compose([f"experiment={name}", "data.dir=x"])
+        sc = SchedulerConfig(**cfg.scheduler)
+        assert (sc.name, sc.power, sc.decay_from) == ("polynomial", 0.5, "start"), name
+        assert (cfg.trainer.max_steps, cfg.trainer.warmup_steps) == (steps, warmup)
+        assert cfg.optim.name == "lamb"
+
+
+def test_scheduler_config_rejects_unknown_decay_from():
+    with pytest.raises(ValueError, match="scheduler.decay_from"):
+        SchedulerConfig(decay_from="middle")
