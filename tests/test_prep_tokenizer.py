@@ -222,11 +222,8 @@ def _small_vocab():
                        + "abcdefghijklmnopqrstuvwxyz") - {" "})
     words = ["café", "naïve", "résumé", "déjà", "cafe", "naive", "resume", "deja", "plain",
              "ascii", "words", "and", "中文字符", "日本語", "Café", "CAFÉ", "Naïve"]
-    vocab = list(SPECIALS_ORDER) + words + chars + ["##" + c for c in chars]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + chars + ["##" + c for c in chars]
     return {t: i for i, t in enumerate(dict.fromkeys(vocab))}
-
-
-SPECIALS_ORDER = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 
 
 @pytest.mark.parametrize("settings", [
@@ -246,7 +243,8 @@ def test_reused_tokenizer_json_round_trips_accents_and_cjk(tmp_path, settings, c
     src = tmp_path / "tokenizer.json"
     BertWordPieceTokenizer(_small_vocab(), clean_text=True, **settings)._tokenizer.save(str(src))
     out = tmp_path / "out"
-    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src), do_lower_case=settings["lowercase"]),
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src),
+                                           do_lower_case=settings["lowercase"]),
                            None, str(out), progress=False)
     assert capsys.readouterr().err == ""          # do_lower_case agrees: no warning
     hf = transformers.BertTokenizerFast.from_pretrained(str(out))
