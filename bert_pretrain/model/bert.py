@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import BertConfig, ModelImpl
-from .encoder import BertEmbeddings, BertEncoder, BertPooler
+from .encoder import UNUSED_POSITION_KEY, BertEmbeddings, BertEncoder, BertPooler
 from .heads import BertLMPredictionHead, BertPreTrainingHeads
 from .layout import QuerySubset, TokenLayout
 
@@ -115,6 +115,19 @@ class BertForPreTraining(nn.Module):
             # padding row) as an embedding; initialising it again as a Linear would undo that.
             if module is not self.cls.predictions.decoder:
                 init_bert_weights(module, config.initializer_range)
+
+    def hf_state_dict(self) -> dict:
+        """The state dict with transformers' key set.  For relative position types
+        transformers 4.x also holds `bert.embeddings.position_embeddings.weight`, a table it
+        creates and never reads (ours has no such parameter: DDP refuses unused ones); it is
+        added as zeros.  load_state_dict accepts either form."""
+        state = self.state_dict()
+        if self.config.position_embedding_type != "absolute":
+            ref = self.bert.embeddings.word_embeddings.weight
+            state["bert.embeddings." + UNUSED_POSITION_KEY] = torch.zeros(
+                self.config.max_position_embeddings, self.config.hidden_size, dtype=ref.dtype,
+                device=ref.device)
+        return state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
