@@ -57,7 +57,9 @@ def load_preset(name: str, vocab_size: int) -> BertConfig:
         import yaml
 
         values = yaml.safe_load((ROOT / "conf" / "train" / "model" / f"{name}.yaml").read_text())
-        return BertConfig.from_dict(values, vocab_size=vocab_size)
+        # null ids in the presets are filled from the data's manifest by the trainer
+        return BertConfig.from_dict(values, vocab_size=vocab_size,
+                                    pad_token_id=values.get("pad_token_id") or 0)
     except ImportError:
         layers, hidden, heads, inter = PRESET_SIZES[name]
         return BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,

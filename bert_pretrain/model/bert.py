@@ -22,8 +22,10 @@ class PreTrainingOutput:
     loss: torch.Tensor | None = None
     """mlm_loss + nsp_loss (those that were given labels); None without labels."""
     mlm_loss: torch.Tensor | None = None
-    """Mean cross-entropy over the labelled positions (labels != -100)."""
+    """Cross-entropy over the labelled positions (labels != -100): their mean, or their sum
+    with `loss_reduction="sum"`."""
     nsp_loss: torch.Tensor | None = None
+    """Cross-entropy over the sequences: mean, or sum with `loss_reduction="sum"`."""
     prediction_logits: torch.Tensor | None = None
     """[B, L, V]; with `impl.sparse_prediction` and labels: [M, V] for the M labelled
     positions, in row-major (batch, position) order, aligned with `mlm_labels`. Dense logits at
@@ -118,7 +120,12 @@ class BertForPreTraining(nn.Module):
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 next_sentence_label: torch.Tensor | None = None,
                 output_attentions: bool = False,
-                output_hidden_states: bool = False) -> PreTrainingOutput:
+                output_hidden_states: bool = False,
+                loss_reduction: str = "mean") -> PreTrainingOutput:
+        """`loss_reduction="sum"` returns summed token / sequence losses, so that a trainer can
+        normalise by the counts of a whole global batch rather than of this micro-batch."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
         if sparse and self.impl.sparse_last_layer:
@@ -145,13 +152,15 @@ class BertForPreTraining(nn.Module):
         mlm_loss = nsp_loss = loss = None
         if labels is not None:
             if sparse:
-                mlm_loss = F.cross_entropy(logits.float(), mlm_labels)
+                mlm_loss = F.cross_entropy(logits.float(), mlm_labels, reduction=loss_reduction)
             else:
                 mlm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                           labels.reshape(-1), ignore_index=IGNORE_INDEX)
+                                           labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                           reduction=loss_reduction)
             loss = mlm_loss
         if next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1))
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1),
+                                       reduction=loss_reduction)
             loss = nsp_loss if loss is None else loss + nsp_loss
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
                                  enc.hidden_states, enc.attentions)
