@@ -240,3 +240,42 @@ def test_every_make_target_has_a_help_line():
     targets = re.findall(r"^([a-zA-Z_-]+):", makefile, re.M)
     documented = re.findall(r"^([a-zA-Z_-]+):.*## \S", makefile, re.M)
     assert set(targets) == set(phony) == set(documented), (targets, phony, documented)
+
+
+def documented_commands():
+    """The bert-prep / bert-train command lines of the README's other bash blocks (those that
+    need data or machines a test does not have): [(program, overrides, line)], leaving out lines
+    with a placeholder (`...`, `<dir>`)."""
+    with open(README) as f:
+        blocks = parse_blocks(f.read())
+    found = []
+    for lang, flags, body, _, _ in blocks:
+        if lang != "bash" or "readme-test" in flags:
+            continue
+        for line in logical_lines(body):
+            words = words_of(line.strip())
+            prog = program(words)
+            if prog == "bert-train" and "bert_pretrain.train" in words:
+                words = [prog] + words[words.index("bert_pretrain.train") + 1:]
+            if prog in ("bert-prep", "bert-train") and not any(
+                    "..." in w or "<" in w for w in words):
+                found.append((prog, words[1:], line.strip()))
+    return found
+
+
+def test_the_readmes_other_commands_compose():
+    """Every complete bert-prep / bert-train line elsewhere in the README names real groups,
+    options and keys (the same check the commands make before they start)."""
+    from bert_pretrain.cli_errors import precheck
+    from bert_pretrain.config import register
+
+    register()
+    commands = documented_commands()
+    assert len(commands) >= 10
+    for prog, overrides, line in commands:
+        root = "train" if prog == "bert-train" else "prep"
+        try:
+            precheck(prog, os.path.join(REPO, "conf", root), root, overrides,
+                     skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
+        except SystemExit:
+            pytest.fail(f"README: {line}")
