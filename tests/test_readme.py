@@ -279,3 +279,17 @@ def test_the_readmes_other_commands_compose():
                      skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
         except SystemExit:
             pytest.fail(f"README: {line}")
+
+
+def test_the_readmes_links_lead_somewhere():
+    """Section links (#anchor, GitHub's slugs of the headings) and links to repository files."""
+    with open(README) as f:
+        text = f.read()
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # a "# comment" is no heading
+    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+             for h in re.findall(r"^#+ (.*)$", prose, re.M)}
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        if target.startswith("#"):
+            assert target[1:] in slugs, target
+        elif "://" not in target:
+            assert os.path.exists(os.path.join(REPO, target)), target
