@@ -26,9 +26,11 @@ RESULT_KEYS = (
 SPEED_ONLY = ("optim.fused",)
 
 
-def find_resume(resume: str, run_dir: str) -> Optional[str]:
-    """The checkpoint to resume from, or None for a fresh run."""
-    from .checkpoint import latest_checkpoint, list_checkpoints
+def find_resume(resume: str, run_dir: str, warn=None) -> Optional[str]:
+    """The checkpoint to resume from, or None for a fresh run. Its files are verified against
+    their recorded sha256: resume=auto skips corrupt ones (`warn` names each), an explicit path
+    that does not verify is an error."""
+    from .checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
 
     if resume == "never":
         if list_checkpoints(run_dir):
@@ -38,10 +40,11 @@ def find_resume(resume: str, run_dir: str) -> Optional[str]:
             )
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return latest_checkpoint(run_dir, warn=warn)
     if not os.path.isdir(resume):
         raise CheckpointError(f"resume={resume}: no such checkpoint directory; use resume=auto "
                               f"or a <run_dir>/checkpoints/step-XXXXXXXX path")
+    verify_checkpoint(resume)
     return resume
 
 

@@ -29,6 +29,9 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def _fail(message: str) -> None:
+    if os.environ.get("RANK", "0") != "0":
+        # Launched processes all reach the same error: the main process says it once.
+        sys.exit(2)
     fail("bert-train", message)
 
 

@@ -308,14 +308,27 @@ class Trainer:
 
         s = self.s
         self.run_dir = s.run_dir
-        self.resume_path = find_resume(s.resume, self.run_dir)
+        self.log = open_run_log(self.run_dir, self.main, self.rank)
+        # The main process verifies the checkpoints (hashing every file) and tells the others.
+        found = [None, None]  # path, or the error every process must raise
+        if self.main:
+            try:
+                found[0] = find_resume(s.resume, self.run_dir,
+                                       warn=lambda m: self.log.warning(f"bert-train: {m}"))
+            except UserError as exc:
+                found[1] = exc
+        if self.world > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(found)
+        if found[1] is not None:
+            raise found[1]
+        self.resume_path = found[0]
         self.saved_config = saved_config(self.resume_path) if self.resume_path else None
         if self.resume_path:
             check_seed(self.saved_config, s.seed, self.resume_path)
         if self.main:
-            os.makedirs(self.run_dir, exist_ok=True)
             ckpt.clean_partial(self.run_dir)
-        self.log = open_run_log(self.run_dir, self.main, self.rank)
 
     def _setup_optimizer_and_resume(self) -> None:
         from . import checkpoint as ckpt
@@ -329,7 +342,9 @@ class Trainer:
         if source and self.hf_state is not None and not self.resume_path:
             self.raw_model.load_state_dict(self.hf_state, strict=True)
         elif source:
-            saved = ckpt.read_train_state(source)
+            # (resume_path was verified by find_resume; an init_from checkpoint is verified here)
+            saved = ckpt.read_train_state(source) if self.resume_path else \
+                ckpt.verify_checkpoint(source)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
                                   self.data.tokenizer_sha256)
             ckpt.load_weights(source, self.raw_model)
