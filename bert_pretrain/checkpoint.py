@@ -38,6 +38,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from .errors import CheckpointError
+from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
@@ -259,7 +260,7 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
         torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
         torch.save(extra_state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(config_yaml)
+            f.write(redact(config_yaml))  # a config may interpolate a token from the env
         if tokenizer_dir and os.path.isdir(tokenizer_dir):
             shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
         # trainer_state.json last: it is what marks a checkpoint directory as complete, and it
