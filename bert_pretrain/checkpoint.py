@@ -1,4 +1,5 @@
-"""Checkpoints: `<run_dir>/checkpoints/step-XXXXXXXX/`, written atomically.
+"""Checkpoints: `<run_dir>/checkpoints/step-XXXXXXXX/`, written atomically, checksummed, and
+loaded without running any code from the files.
 
 A checkpoint is written into `.tmp-step-XXXXXXXX/`, every file fsync'd, then the directory is
 renamed to its final name (rename is atomic on POSIX) and the parent fsync'd.  Only names
@@ -7,21 +8,25 @@ mid-save never leaves something that looks valid, and the previous checkpoint is
 
 Contents: model.safetensors, optimizer.pt, trainer_state.pt (scheduler, grad scaler),
 rng_state_rank<R>.pt (one per rank), trainer_state.json (step, tokens seen, data position,
-elapsed seconds, model config, tokenizer hash, and the sha256 of every other file), config.yaml
-(the resolved run config) and a copy of the tokenizer, so a checkpoint directory is
-self-contained (export needs nothing else).
+elapsed seconds, model config, tokenizer hash), config.yaml (the resolved run config) and a copy
+of the tokenizer, so a checkpoint directory is self-contained (export needs nothing else).
 
-Loading never executes code: weights through safetensors, the other state through
-`torch.load(weights_only=True)` (tensors, numbers, strings, lists, dicts only: RNG states are
-stored in that form) or JSON. A file whose sha256 differs from the one recorded is refused, and
-`resume=auto` falls back to the newest checkpoint that verifies.
+Integrity: trainer_state.json, written last, lists the sha256 of every other file (`files`) and
+of its own content (`state_sha256`).  `verify_checkpoint` re-hashes them, so a truncated file,
+a flipped bit or a file lost from a copied run is found before anything is loaded;
+`latest_checkpoint` (resume=auto) skips such a checkpoint for the newest valid one.  A checksum
+is not a signature: it catches damage, not a deliberate edit.
+
+Untrusted files: nothing here unpickles arbitrary objects.  Weights go through safetensors, the
+other state through `torch.load(weights_only=True)` (tensors and plain containers only) or JSON,
+so a planted pickle whose `__reduce__` runs code is refused, not executed.  RNG states are
+therefore stored as tensors and plain numbers, not as numpy/python state objects.
 """
 
 import errno
 import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -33,6 +38,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from .errors import CheckpointError
+from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
@@ -40,6 +46,7 @@ STATE_JSON = "trainer_state.json"
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "max_position_embeddings", "type_vocab_size",
                 "position_embedding_type", "pre_layer_norm")
+_HASH_CHUNK = 8 << 20
 
 
 def checkpoints_root(run_dir: str) -> str:
@@ -47,7 +54,7 @@ def checkpoints_root(run_dir: str) -> str:
 
 
 def list_checkpoints(run_dir: str) -> list:
-    """Valid checkpoints of a run, oldest first, as (step, path)."""
+    """Complete-looking checkpoints of a run (not yet verified), oldest first, as (step, path)."""
     root = checkpoints_root(run_dir)
     if not os.path.isdir(root):
         return []
@@ -60,73 +67,122 @@ def list_checkpoints(run_dir: str) -> list:
     return sorted(found)
 
 
-def latest_valid_checkpoint(run_dir: str) -> tuple:
-    """(the newest checkpoint whose files verify or None, [(skipped path, reason), ...])."""
-    skipped = []
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """Warnings from code every rank runs: print once, from the main process (RANK is set by
+    torchrun / accelerate launch)."""
+    if os.environ.get("RANK", "0") == "0" and message not in _warned:
+        _warned.add(message)
+        print(message, file=sys.stderr, flush=True)
+
+
+def latest_checkpoint(run_dir: str, verify: bool = True,
+                      warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """The newest checkpoint whose files match their checksums (resume=auto); a damaged one is
+    skipped with a warning naming it (through `warn`, else once on stderr).  verify=False: the
+    newest complete-looking one."""
     for _, path in reversed(list_checkpoints(run_dir)):
+        if not verify:
+            return path
         try:
             verify_checkpoint(path)
-            return path, skipped
+            return path
         except CheckpointError as exc:
-            skipped.append((path, str(exc)))
-    return None, skipped
-
-
-def latest_checkpoint(run_dir: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
-    """The newest valid checkpoint of a run; a corrupt newer one is skipped with a warning that
-    names it (to stderr unless `warn` is given)."""
-    path, skipped = latest_valid_checkpoint(run_dir)
-    for bad, reason in skipped:
-        message = (f"warning: skipping corrupt checkpoint {bad} ({reason}); "
-                   f"{'using ' + path if path else 'no valid checkpoint is left'}")
-        if warn is None:
-            print(message, file=sys.stderr, flush=True)
-        else:
-            warn(message)
-    return path
+            (warn or _warn_once)(f"bert-train: warning: skipping damaged checkpoint {path}: "
+                                 f"{exc}; falling back to an earlier one")
+    return None
 
 
 def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
+    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def _checksums(root: str) -> dict:
-    """sha256 of every file under `root` (but the marker file), by relative path."""
-    sums = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root)
+def _state_digest(state: dict) -> str:
+    """sha256 of trainer_state.json's content without its own `state_sha256` field."""
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _files_of(directory: str) -> list:
+    """Relative paths of every file under `directory` except trainer_state.json, sorted."""
+    out = []
+    for dirpath, _, files in os.walk(directory):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), directory)
             if rel != STATE_JSON:
-                sums[rel] = _sha256(full)
-    return dict(sorted(sums.items()))
+                out.append(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
+# Verified checkpoints of this process, keyed by path and every listed file's (size, mtime,
+# inode): the trainer and export may ask twice, and hashing gigabytes twice is a waste.
+_verified: dict = {}
+
+
+def _stat_key(path: str, names) -> tuple:
+    key = []
+    for name in (STATE_JSON, *names):
+        st = os.stat(os.path.join(path, name))
+        key.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return (os.path.realpath(path), tuple(key))
+
+
+def _read_json(path: str) -> dict:
+    file = os.path.join(path, STATE_JSON)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{path} is not a checkpoint (no {STATE_JSON}); pass a "
+                              f"<run_dir>/checkpoints/step-XXXXXXXX directory")
+    try:
+        with open(file, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file} ({str(exc).splitlines()[0]}); the checkpoint "
+                              f"is corrupt") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file} is not a bert-train state file; the checkpoint is corrupt")
+    return state
 
 
 def verify_checkpoint(path: str) -> dict:
-    """Check every file of a checkpoint against the sha256 recorded when it was written; returns
-    its trainer state. Raises CheckpointError naming the first missing, truncated or altered
-    file. (Checkpoints written before checksums existed are accepted as they are.)"""
-    state = read_train_state(path)
-    recorded = state.get("files")
-    if recorded is None:
+    """Check every file of checkpoint `path` against the sha256 recorded when it was saved;
+    returns its train state.  Raises CheckpointError naming the first bad file.
+
+    Costs one read of the whole checkpoint (sha256 runs at several hundred MB/s per core)."""
+    state = _read_json(path)
+    files = state.get("files")
+    if not isinstance(files, dict) or not files or "state_sha256" not in state:
+        raise CheckpointError(f"{path} has no checksums (written by an older bert-train or "
+                              f"edited by hand), so it cannot be verified")
+    if state["state_sha256"] != _state_digest(state):
+        raise CheckpointError(f"{os.path.join(path, STATE_JSON)} does not match its checksum; "
+                              f"the checkpoint is corrupt")
+    for name in files:
+        if not isinstance(name, str) or ".." in name.split("/") or os.path.isabs(name):
+            raise CheckpointError(f"{path} lists a file outside the checkpoint ({name!r})")
+    try:
+        key = _stat_key(path, files)
+    except OSError as exc:
+        raise CheckpointError(f"{os.path.join(path, os.path.basename(exc.filename or ''))} "
+                              f"is missing; the checkpoint is incomplete") from None
+    if _verified.get(key):
         return state
-    if not isinstance(recorded, dict):
-        raise CheckpointError(f"{path}/{STATE_JSON} has a malformed file list; the checkpoint is "
-                              f"corrupt")
-    for rel, digest in recorded.items():
-        full = os.path.normpath(os.path.join(path, rel))
-        if not full.startswith(os.path.normpath(path) + os.sep):
-            raise CheckpointError(f"{path}/{STATE_JSON} names a file outside the checkpoint "
-                                  f"({rel}); the checkpoint is corrupt")
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{full} is missing; the checkpoint is incomplete")
-        if _sha256(full) != digest:
-            raise CheckpointError(f"{full} does not match its recorded sha256 (truncated or "
-                                  f"altered); the checkpoint is corrupt")
+    for name, digest in files.items():
+        file = os.path.join(path, name)
+        try:
+            actual = _sha256(file)
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {file} ({exc.strerror or exc}); the checkpoint "
+                                  f"is incomplete") from None
+        if actual != digest:
+            raise CheckpointError(f"{file} does not match its sha256 (truncated or altered); "
+                                  f"the checkpoint is corrupt")
+    _verified[key] = True
     return state
 
 
@@ -146,15 +202,19 @@ def _fsync_tree(path: str) -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG this process uses, as tensors, numbers and lists only (so that it loads with
-    `weights_only=True`). CUDA: the current device's generator only, the one this rank uses;
-    saving all would fail to restore on a node with fewer visible GPUs."""
-    version, py_state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": {"version": version, "state": list(py_state), "gauss": gauss},
-             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
-                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)},
-             "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain numbers (loadable with weights_only=True).
+
+    CUDA: only the current device's generator.  A rank drives one device; saving all visible
+    devices' states (get_rng_state_all) would fail to restore on a node that sees fewer GPUs."""
+    version, mt, gauss = random.getstate()
+    key, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64),
+                   "gauss": gauss},
+        "numpy": {"key": str(key), "state": torch.from_numpy(keys.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -162,12 +222,12 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     py, npy = state["python"], state["numpy"]
-    random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"],
-                         npy["has_gauss"], npy["cached"]))
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    np.random.set_state((npy["key"], npy["state"].numpy().astype(np.uint32), npy["pos"],
+                         npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # this rank's current device
 
 
 def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimizer_state: dict,
@@ -202,13 +262,16 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
         torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
         torch.save(extra_state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(config_yaml)
+            f.write(redact(config_yaml))  # a config may interpolate a token from the env
         if tokenizer_dir and os.path.isdir(tokenizer_dir):
             shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
         # trainer_state.json last: it is what marks a checkpoint directory as complete, and it
-        # records the sha256 of every other file (ranks' RNG files included).
+        # carries the checksums of everything written before it.
+        state = {**train_state, "step": step,
+                 "files": {name: _sha256(os.path.join(tmp, name)) for name in _files_of(tmp)}}
+        state["state_sha256"] = _state_digest(state)
         with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
-            json.dump({**train_state, "step": step, "files": _checksums(tmp)}, f, indent=2)
+            json.dump(state, f, indent=2)
         _fsync_tree(tmp)
         if os.path.exists(final):  # re-saving the same step (e.g. the final save after resume)
             old = final + ".old"
@@ -221,7 +284,7 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
         _fsync_path(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(run_dir)
+        previous = latest_checkpoint(run_dir, verify=False)
         kept = f"the previous checkpoint {previous} is intact" if previous else \
             "no earlier checkpoint exists"
         barrier()
@@ -230,34 +293,40 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
             f"free disk space and rerun with resume=auto"
         ) from None
     for _, path in list_checkpoints(run_dir)[:-keep_last_k] if keep_last_k > 0 else []:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     barrier()
     return final
 
 
+def _remove(path: str) -> None:
+    """Delete a checkpoint so that a crash midway never leaves a half-deleted `step-*` that
+    still looks complete: rename it out of the checkpoint namespace first."""
+    doomed = os.path.join(os.path.dirname(path), ".del-" + os.path.basename(path))
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def clean_partial(run_dir: str) -> None:
-    """Remove leftovers of interrupted saves (never valid checkpoints). A `step-X.old` without its
-    `step-X` is a checkpoint whose re-save was killed between the two renames: put it back."""
+    """Remove leftovers of interrupted saves and deletions (never valid checkpoints).  A
+    `step-X.old` whose `step-X` is missing (killed between the two renames of a re-save) is the
+    only copy of that checkpoint: it is put back."""
     root = checkpoints_root(run_dir)
     if os.path.isdir(root):
-        for name in sorted(os.listdir(root)):
+        for name in os.listdir(root):
             path = os.path.join(root, name)
-            if name.endswith(".old") and not os.path.exists(path[:-4]):
+            if name.endswith(".old") and STEP_DIR.match(name[:-4]) and \
+                    not os.path.exists(path[:-4]):
                 os.rename(path, path[:-4])
-            elif name.startswith(".tmp-step-") or name.endswith(".old"):
+            elif name.startswith((".tmp-step-", ".del-step-")) or name.endswith(".old"):
                 shutil.rmtree(path, ignore_errors=True)
 
 
 def read_train_state(path: str) -> dict:
-    file = os.path.join(path, STATE_JSON)
-    if not os.path.isfile(file):
-        raise CheckpointError(f"{path} is not a checkpoint (no {STATE_JSON}); pass a "
-                              f"<run_dir>/checkpoints/step-XXXXXXXX directory")
-    try:
-        with open(file, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {file} ({exc}); the checkpoint is corrupt") from None
+    """The train state of checkpoint `path`, after verifying all its files' checksums."""
+    return verify_checkpoint(path)
 
 
 def check_compatible(path: str, state: dict, model_config: dict,
@@ -283,29 +352,32 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     file = os.path.join(path, "model.safetensors")
     try:
         load_model(model, file, strict=True)
-    except (OSError, RuntimeError, ValueError) as exc:
+    except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
         raise CheckpointError(f"cannot load {file}: {str(exc).splitlines()[0]}; the checkpoint "
                               f"is corrupt or from another model") from None
 
 
-def _safe_load(file: str):
-    """torch.load without code execution: tensors, numbers, strings, lists and dicts only."""
+def _load_plain(file: str):
+    """torch.load that only rebuilds tensors and plain containers: a pickle that would import
+    or call anything else (e.g. a `__reduce__` payload) is refused before it runs."""
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise CheckpointError(
-            f"refusing to load {file}: it holds Python objects other than tensors and plain "
-            f"data, which loading would execute; it was not written by bert-train (or was "
-            f"altered): delete this checkpoint to fall back to an older one") from None
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise CheckpointError(f"cannot load {file} ({str(exc).splitlines()[0]}); the checkpoint "
-                              f"is corrupt, delete it to fall back to an older one") from None
+    except Exception as exc:  # UnpicklingError (refused object), EOFError, RuntimeError, OSError
+        text = str(exc)
+        if "weights_only" in text or "Unsupported global" in text or "Unsupported operand" in text:
+            raise CheckpointError(
+                f"refusing to load {file}: it holds Python objects other than tensors and plain "
+                f"data, which could run code; it was not written by bert-train (or was tampered "
+                f"with): delete this checkpoint") from None
+        reason = text.splitlines()[0] if text.strip() else type(exc).__name__
+        raise CheckpointError(f"cannot load {file} ({reason}); the checkpoint is corrupt, delete "
+                              f"it to fall back to an older one") from None
 
 
 def load_states(path: str, rank: int) -> tuple:
     """(optimizer state, extra state, this rank's RNG state or None)."""
-    opt = _safe_load(os.path.join(path, "optimizer.pt"))
-    extra = _safe_load(os.path.join(path, "trainer_state.pt"))
+    opt = _load_plain(os.path.join(path, "optimizer.pt"))
+    extra = _load_plain(os.path.join(path, "trainer_state.pt"))
     rng_file = os.path.join(path, f"rng_state_rank{rank}.pt")
-    rng = _safe_load(rng_file) if os.path.isfile(rng_file) else None
+    rng = _load_plain(rng_file) if os.path.isfile(rng_file) else None
     return opt, extra, rng

@@ -7,6 +7,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from .errors import ConfigError
+from .redact import redact
+
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("online", "offline", "disabled")
 
@@ -68,6 +71,17 @@ def eval_record_at(run_dir: str, step: int) -> Optional[dict]:
     return found
 
 
+def _wandb_problem(exc: Exception, mode: str) -> str:
+    """One line for a failed wandb.init: most often no login on this machine."""
+    text = redact(" ".join(str(exc).split()))  # (wandb's messages span lines)
+    if "API key" in text or "login" in text.lower() or type(exc).__name__ == "AuthenticationError":
+        return (f"logger=wandb (mode={mode}) needs a Weights & Biases login and found none "
+                f"({text}); run `wandb login`, or set WANDB_API_KEY, or use "
+                f"logger.mode=offline (upload later with `wandb sync`) or logger=none")
+    return (f"wandb could not start ({text[:300]}); check the logger.* settings and the "
+            f"WANDB_* environment variables, or use logger.mode=offline or logger=none")
+
+
 class Metrics:
     """metrics.jsonl + optional wandb, on the main process."""
 
@@ -92,11 +106,17 @@ class Metrics:
                 run_id = uuid.uuid4().hex[:12]  # stable across resumes of this run_dir
                 with open(id_file, "w") as f:
                     f.write(run_id)
-            self.wandb = wandb.init(
-                project=cfg.project, entity=cfg.entity, name=cfg.run_name or run_name,
-                group=cfg.group, tags=list(cfg.tags), config=resolved_config, mode=cfg.mode,
-                dir=run_dir, id=run_id, resume="allow",
-            )
+            # wandb keeps its own copy of everything passed here: no secrets in it (redact).
+            try:
+                self.wandb = wandb.init(
+                    project=redact(cfg.project), entity=redact(cfg.entity),
+                    name=redact(cfg.run_name or run_name), group=redact(cfg.group),
+                    tags=redact(list(cfg.tags)), config=redact(resolved_config), mode=cfg.mode,
+                    dir=run_dir, id=run_id, resume="allow",
+                )
+            except (wandb.errors.Error, ValueError) as exc:
+                self.file.close()
+                raise ConfigError(_wandb_problem(exc, cfg.mode)) from None
             self.wandb_dir = getattr(self.wandb, "dir", None)
 
     def log(self, record: dict) -> None:

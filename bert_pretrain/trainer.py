@@ -313,8 +313,7 @@ class Trainer:
         found = [None, None]  # path, or the error every process must raise
         if self.main:
             try:
-                found[0] = find_resume(s.resume, self.run_dir,
-                                       warn=lambda m: self.log.warning(f"bert-train: {m}"))
+                found[0] = find_resume(s.resume, self.run_dir, warn=self.log.warning)
             except UserError as exc:
                 found[1] = exc
         if self.world > 1:
@@ -342,9 +341,7 @@ class Trainer:
         if source and self.hf_state is not None and not self.resume_path:
             self.raw_model.load_state_dict(self.hf_state, strict=True)
         elif source:
-            # (resume_path was verified by find_resume; an init_from checkpoint is verified here)
-            saved = ckpt.read_train_state(source) if self.resume_path else \
-                ckpt.verify_checkpoint(source)
+            saved = ckpt.read_train_state(source)  # verified (once per process: cached)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
                                   self.data.tokenizer_sha256)
             ckpt.load_weights(source, self.raw_model)

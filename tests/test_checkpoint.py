@@ -121,3 +121,79 @@ def test_checkpoint_from_another_model_size_is_refused(tmp_path):
         ckpt.check_compatible(path, state, model.config.to_dict(), "def")
     with pytest.raises(CheckpointError, match="not a checkpoint"):
         ckpt.read_train_state(str(tmp_path))
+
+
+def _flip_bit(file):
+    data = bytearray(open(file, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(file, "wb").write(bytes(data))
+
+
+def _truncate(file):
+    os.truncate(file, os.path.getsize(file) // 2)
+
+
+def _edit_step(file):
+    import json
+    state = json.load(open(file))
+    state["step"] += 1  # e.g. a hand edit: the state's own checksum no longer matches
+    json.dump(state, open(file, "w"))
+
+
+DAMAGE = {
+    "truncated weights": ("model.safetensors", _truncate),
+    "bit flip in optimizer": ("optimizer.pt", _flip_bit),
+    "bit flip in RNG state": ("rng_state_rank0.pt", _flip_bit),
+    "lost file": ("trainer_state.pt", os.remove),
+    "edited state json": ("trainer_state.json", _edit_step),
+    "bit flip in tokenizer": ("tokenizer/vocab.txt", _flip_bit),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_checkpoint_is_detected_and_resume_auto_skips_it(tmp_path, capsys, damage):
+    name, spoil = DAMAGE[damage]
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    model = BertForPreTraining(BertConfig(**SMALL))
+    run = str(tmp_path / "run")
+    good = _save(run, 1, model, tokenizer_dir=str(tok))
+    bad = _save(run, 2, model, tokenizer_dir=str(tok))
+    assert ckpt.latest_checkpoint(run) == bad  # (and the verification is cached: see below)
+    spoil(os.path.join(bad, name))
+    with pytest.raises(CheckpointError, match=os.path.basename(name)) as err:
+        ckpt.verify_checkpoint(bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match=os.path.basename(name)):
+        ckpt.read_train_state(bad)  # what an explicit resume=<path> and init_from go through
+    capsys.readouterr()
+    assert ckpt.latest_checkpoint(run) == good
+    assert ckpt.latest_checkpoint(run) == good
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1 and "skipping damaged checkpoint" in warnings[0] and \
+        bad in warnings[0], warnings
+    ckpt.verify_checkpoint(good)
+
+
+def test_checkpoint_without_checksums_is_not_trusted(tmp_path):
+    import json
+    path = _save(str(tmp_path / "run"), 1, BertForPreTraining(BertConfig(**SMALL)))
+    file = os.path.join(path, ckpt.STATE_JSON)
+    state = json.load(open(file))
+    del state["files"], state["state_sha256"]
+    json.dump(state, open(file, "w"))
+    with pytest.raises(CheckpointError, match="no checksums"):
+        ckpt.verify_checkpoint(path)
+    assert ckpt.latest_checkpoint(str(tmp_path / "run")) is None
+
+
+def test_killed_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path):
+    model = BertForPreTraining(BertConfig(**SMALL))
+    run = str(tmp_path / "run")
+    path = _save(run, 1, model)
+    os.rename(path, path + ".old")  # what a crash between rename(final, old) and
+    os.makedirs(path.replace("step-", ".tmp-step-"))  # rename(tmp, final) leaves
+    ckpt.clean_partial(run)
+    assert ckpt.latest_checkpoint(run) == path
+    assert sorted(os.listdir(ckpt.checkpoints_root(run))) == ["step-00000001"]

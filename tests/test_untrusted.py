@@ -1,200 +1,149 @@
-"""Checkpoints from elsewhere: loading never executes code, a truncated or altered checkpoint is
-detected (sha256 per file) and resume=auto falls back to the previous valid one, and secrets in
-the environment never reach a file a run writes."""
+"""Untrusted files: loading a checkpoint or prepared data never runs code from it.
 
+A pickle can name any callable to run at load time (`__reduce__`).  Every place bert-train
+reads a file gets a planted payload that would create a file when unpickled; the loader must
+refuse it with one line and the file must not exist afterwards.  The checksums in
+trainer_state.json are re-signed first, as an attacker who edits a checkpoint would do: a
+checksum detects damage, the loaders must be safe on their own.
+"""
 import json
 import os
 import pickle
-import shutil
-import subprocess
-import sys
 
+import numpy as np
 import pytest
+import torch
 
 from bert_pretrain import checkpoint as ckpt
-from bert_pretrain.errors import CheckpointError
-from train_support import REPO, read_metrics, train_in_process, write_prepared
-
-PICKLED_FILES = ("optimizer.pt", "trainer_state.pt", "rng_state_rank0.pt")
-
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    return write_prepared(str(tmp_path_factory.mktemp("prep")), num_train=32, num_valid=8)
-
-
-@pytest.fixture(scope="module")
-def trained(synthetic, tmp_path_factory):
-    """A run with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("trained") / "run"
-    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
-                      "trainer.max_steps=4", "trainer.checkpoint_every=2",
-                      "trainer.keep_last_k=5", "trainer.eval_every=0"])
-    return run
-
-
-def copy_run(trained, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(trained, run)
-    return run
-
-
-def resume(synthetic, run, *extra):
-    return train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
-                             "trainer.max_steps=6", "trainer.checkpoint_every=2",
-                             "trainer.keep_last_k=5", "trainer.eval_every=0", *extra])
+from bert_pretrain.errors import CheckpointError, DataError
+from bert_pretrain.model import BertConfig, BertForPreTraining
+from test_checkpoint import SMALL, _save
+from train_support import run_bert_train, write_prepared
 
 
 class Payload:
-    """What a malicious checkpoint holds: unpickling it would create `path`."""
+    """Unpickling this calls open(marker, "w"): it creates `marker`."""
 
-    def __init__(self, path):
-        self.path = str(path)
+    def __init__(self, marker):
+        self.marker = str(marker)
 
     def __reduce__(self):
-        return (open, (self.path, "w"))
+        return (open, (self.marker, "w"))
 
 
-def rewrite_checksums(checkpoint):
-    """What an attacker who edits a checkpoint does too: record the new files' sha256."""
-    state_file = checkpoint / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    state["files"] = ckpt._checksums(str(checkpoint))
-    state_file.write_text(json.dumps(state))
+def resign(path):
+    """Recompute a checkpoint's checksums after editing it (what a tamperer would do)."""
+    file = os.path.join(path, ckpt.STATE_JSON)
+    state = json.load(open(file))
+    state["files"] = {n: ckpt._sha256(os.path.join(path, n)) for n in ckpt._files_of(path)}
+    state["state_sha256"] = ckpt._state_digest(state)
+    json.dump(state, open(file, "w"))
 
 
-# --------------------------------------------------------------------------- integrity
-
-
-def test_every_file_of_a_checkpoint_has_a_recorded_sha256(trained):
-    step4 = trained / "checkpoints" / "step-00000004"
-    state = json.loads((step4 / "trainer_state.json").read_text())
-    on_disk = {str(p.relative_to(step4)) for p in step4.rglob("*") if p.is_file()}
-    assert set(state["files"]) == on_disk - {"trainer_state.json"}
-    assert {"model.safetensors", "optimizer.pt", "rng_state_rank0.pt", "config.yaml",
-            "tokenizer/vocab.txt"} <= set(state["files"])
-    ckpt.verify_checkpoint(str(step4))
-
-
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_a_damaged_checkpoint_is_skipped_for_the_previous_one(trained, synthetic, tmp_path,
-                                                              capsys, damage):
-    run = copy_run(trained, tmp_path)
-    target = run / "checkpoints" / "step-00000004" / ("model.safetensors" if damage != "flip"
-                                                      else "optimizer.pt")
-    data = target.read_bytes()
-    if damage == "truncate":
-        target.write_bytes(data[: len(data) // 2])
-    elif damage == "flip":
-        target.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
-    else:
-        target.unlink()
-    with pytest.raises(CheckpointError, match="step-00000004"):
-        ckpt.verify_checkpoint(str(target.parent))
-    capsys.readouterr()
-    resume(synthetic, run, "resume=auto")
-    err = capsys.readouterr().err
-    assert "skipping corrupt checkpoint" in err and "step-00000004" in err and \
-        "using " + str(run / "checkpoints" / "step-00000002") in err
-    # It resumed from step 2 and re-did steps 3..6, identical to the undamaged run's 3 and 4.
-    records = {r["step"]: r for r in read_metrics(run) if "loss" in r}
-    original = {r["step"]: r for r in read_metrics(trained) if "loss" in r}
-    assert sorted(records) == list(range(1, 7))
-    assert records[3]["loss"] == original[3]["loss"] and records[4]["loss"] == original[4]["loss"]
-
-
-def test_an_explicit_corrupt_checkpoint_is_refused(trained, synthetic, tmp_path):
-    run = copy_run(trained, tmp_path)
-    bad = run / "checkpoints" / "step-00000004"
-    (bad / "config.yaml").write_text("seed: 1\n")
-    with pytest.raises(CheckpointError, match=r"config.yaml does not match its recorded sha256"):
-        resume(synthetic, tmp_path / "other", f"resume={bad}")
-    with pytest.raises(CheckpointError, match="does not match its recorded sha256"):
-        train_in_process(["experiment=smoke", f"data.dir={synthetic}",
-                          f"run_dir={tmp_path / 'phase2'}", f"trainer.init_from={bad}"])
-
-
-def test_bert_export_refuses_a_corrupt_checkpoint(trained, tmp_path):
-    run = copy_run(trained, tmp_path)
-    bad = run / "checkpoints" / "step-00000004"
-    (bad / "model.safetensors").write_bytes(b"\0" * 64)
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", str(bad),
-                        str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "model.safetensors does not match its recorded sha256" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
-
-
-# --------------------------------------------------------------------------- no code execution
-
-
-@pytest.mark.parametrize("name", PICKLED_FILES)
-def test_a_planted_pickle_is_refused_and_never_runs(trained, synthetic, tmp_path, name):
-    run = copy_run(trained, tmp_path)
-    step4 = run / "checkpoints" / "step-00000004"
+def test_the_payload_runs_when_loaded_unsafely(tmp_path):
+    """The payload is real: an unrestricted torch.load executes it (so the tests below can fail)."""
     marker = tmp_path / "pwned"
-    with open(step4 / name, "wb") as f:
-        pickle.dump({"state": Payload(marker)}, f)
-    rewrite_checksums(step4)  # the checksums match: only the loader stands in the way
-    with pytest.raises(CheckpointError, match=f"refusing to load .*{name}: it holds Python "
-                                              f"objects"):
-        resume(synthetic, run, "resume=auto")
+    torch.save({"state": Payload(marker)}, tmp_path / "evil.pt")
+    torch.load(tmp_path / "evil.pt", weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "trainer_state.pt", "rng_state_rank0.pt"])
+def test_planted_pickle_in_checkpoint_state_is_refused(tmp_path, name):
+    path = _save(str(tmp_path / "run"), 1, BertForPreTraining(BertConfig(**SMALL)))
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": [], "x": Payload(marker)}, os.path.join(path, name))
+    resign(path)
+    ckpt.verify_checkpoint(path)  # the checksums pass: only the loader stands in the way
+    with pytest.raises(CheckpointError) as err:
+        ckpt.load_states(path, 0)
+    message = str(err.value)
+    assert "\n" not in message and name in message and "refusing to load" in message
     assert not marker.exists()
 
 
-def test_a_planted_pickle_in_a_transformers_directory_never_runs(tmp_path):
-    from bert_pretrain.hf_import import read_hf_model
-
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
-                                  num_attention_heads=2, intermediate_size=32)
-    cfg.save_pretrained(tmp_path / "hf")
+def test_raw_pickle_as_weights_is_refused(tmp_path):
+    path = _save(str(tmp_path / "run"), 1, BertForPreTraining(BertConfig(**SMALL)))
     marker = tmp_path / "pwned"
-    with open(tmp_path / "hf" / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"bert.embeddings.word_embeddings.weight": Payload(marker)}, f)
-    with pytest.raises(CheckpointError):
-        read_hf_model(str(tmp_path / "hf"))
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        pickle.dump(Payload(marker), f)
+    resign(path)
+    with pytest.raises(CheckpointError, match="model.safetensors") as err:
+        ckpt.load_weights(path, BertForPreTraining(BertConfig(**SMALL)))
+    assert "\n" not in str(err.value)
     assert not marker.exists()
 
 
-def test_every_torch_load_in_the_project_is_weights_only():
-    """A new torch.load / pickle.load anywhere in the code must not bring execution back."""
-    offenders = []
-    for folder in ("bert_pretrain", "data_prep"):
-        for root, _, files in os.walk(os.path.join(REPO, folder)):
-            for name in files:
-                if not name.endswith(".py"):
-                    continue
-                text = open(os.path.join(root, name), encoding="utf-8").read()
-                for line in text.splitlines():
-                    code = line.split("#")[0]
-                    if ("torch.load(" in code and "weights_only=True" not in code) or \
-                            "pickle.load" in code or "allow_pickle=True" in code:
-                        offenders.append(f"{name}: {line.strip()}")
-    assert offenders == []
+@pytest.mark.parametrize("as_object_array", [True, False])
+def test_planted_pickle_in_prepared_data_is_refused(tmp_path, as_object_array):
+    from bert_pretrain.data import PreparedData
+
+    root = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    marker = tmp_path / "pwned"
+    target = os.path.join(root, "train", "shard-00000", "input_ids.npy")
+    if as_object_array:  # a valid .npy whose dtype is object: its payload is a pickle
+        np.save(target, np.array([Payload(marker)] * 8, dtype=object), allow_pickle=True)
+    else:                # a bare pickle under the .npy name
+        with open(target, "wb") as f:
+            pickle.dump(Payload(marker), f)
+    with pytest.raises(DataError, match="input_ids.npy") as err:
+        PreparedData(root).split("train")
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
 
 
-# --------------------------------------------------------------------------- secrets
+def test_rng_state_loads_with_weights_only_and_restores_exactly(tmp_path):
+    import random
+
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    random.gauss(0, 1), np.random.normal()  # cached gaussians are part of the state
+    torch.save(ckpt.rng_state(), tmp_path / "rng.pt")
+    expected = (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(),
+                np.random.normal(), torch.rand(3).tolist())
+    random.seed(99), np.random.seed(99), torch.manual_seed(99)
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), random.gauss(0, 1), np.random.rand(3).tolist(),
+            np.random.normal(), torch.rand(3).tolist()) == expected
 
 
-def test_secrets_in_the_environment_reach_no_file_a_run_writes(synthetic, tmp_path,
-                                                               monkeypatch):
-    secrets = {"WANDB_API_KEY": "local-0123456789abcdef0123456789abcdef01234567",
-               "HF_TOKEN": "hf_SecretTokenValue123456789", "MY_SERVICE_SECRET": "s3cr3t-v4lu3",
-               "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"}
-    for key, value in secrets.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
-    run = tmp_path / "run"
-    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
-                      "logger=wandb", "logger.mode=offline", "trainer.max_steps=3",
-                      "trainer.report=true"])
-    written = [p for p in list(run.rglob("*")) + list((tmp_path / "wandb_home").rglob("*"))
-               if p.is_file()]
-    assert len(written) > 10  # checkpoints, metrics, log, report, wandb's files
-    for path in written:
-        data = path.read_bytes()
-        for key, value in secrets.items():
-            assert value.encode() not in data, f"{key} leaked into {path}"
+def test_cuda_rng_saves_and_restores_the_current_device_only(monkeypatch):
+    """A rank restores its own device's generator: a node that sees fewer GPUs than the one that
+    saved (get_rng_state_all -> set_rng_state_all) would fail or seed the wrong devices."""
+    calls = []
+
+    def all_devices(*a, **k):
+        raise AssertionError("must not touch every device's generator")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7],
+                                                                                         dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": calls.append(s))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", all_devices)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", all_devices)
+    state = ckpt.rng_state()
+    assert torch.equal(state["cuda"], torch.tensor([7], dtype=torch.uint8))
+    ckpt.set_rng_state(state)
+    assert len(calls) == 1 and torch.equal(calls[0], state["cuda"])
+
+
+def test_bert_train_refuses_a_planted_pickle_on_resume(tmp_path):
+    """Through the real command: resume=auto on a checkpoint with a planted optimizer.pt is one
+    line, exit 2, and the payload never ran."""
+    data = write_prepared(str(tmp_path / "data"), num_train=32, num_valid=8)
+    run_dir = tmp_path / "run"
+    common = ["experiment=smoke", f"data.dir={data}", f"run_dir={run_dir}", "trainer.max_steps=3",
+              "trainer.checkpoint_every=3", "hydra.run.dir=" + str(tmp_path / "hydra")]
+    first = run_bert_train(common, cwd=str(tmp_path))
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = ckpt.latest_checkpoint(str(run_dir))
+    marker = tmp_path / "pwned"
+    torch.save({"state": {}, "param_groups": [Payload(marker)]}, os.path.join(path, "optimizer.pt"))
+    resign(path)
+    again = run_bert_train([*common[:-2], "trainer.max_steps=6", "resume=auto",
+                            "hydra.run.dir=" + str(tmp_path / "hydra2")], cwd=str(tmp_path))
+    assert again.returncode == 2, again.stderr[-2000:]
+    # (the resume's own warning names the longer max_steps; then the one error line)
+    lines = [ln for ln in again.stderr.strip().splitlines() if "warning: resuming" not in ln]
+    assert len(lines) == 1 and lines[0].startswith("bert-train: error: refusing to load"), lines
+    assert "Traceback" not in again.stderr + again.stdout
+    assert not marker.exists()
