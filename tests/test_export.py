@@ -180,3 +180,9 @@ def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
     assert state.keys() == original.keys()
     for key, value in original.items():
         assert torch.equal(state[key], value), key
+    # ... and it comes back (bert-predict, trainer.init_from) as the relative-position model
+    from bert_pretrain.hf_import import read_hf_model
+    config, state = read_hf_model(str(tmp_path / "o3"))
+    model = BertForPreTraining(BertConfig.from_dict(config))
+    model.load_state_dict(state, strict=True)
+    assert model.config.position_embedding_type == "relative_key"
