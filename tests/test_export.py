@@ -2,6 +2,7 @@
 BertForMaskedLM, AutoModel, AutoModelForSequenceClassification and AutoTokenizer) and computes
 the same logits as our model; models it cannot represent are refused in one line."""
 
+import json
 import os
 import stat
 import subprocess
@@ -9,11 +10,13 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import save_model
 
 from bert_pretrain import checkpoint as ckpt
 from bert_pretrain import export as export_mod
 from bert_pretrain.errors import UserError
 from bert_pretrain.export import export
+from bert_pretrain.hf_import import read_hf_model
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO, train_in_process, write_prepared
 
@@ -143,10 +146,8 @@ def _fake_checkpoint(root, **model):
                         intermediate_size=32, max_position_embeddings=32, **model)
     path = os.path.join(root, "checkpoints", "step-00000001")
     os.makedirs(path)
-    from safetensors.torch import save_model
     save_model(BertForPreTraining(config), os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, ckpt.STATE_JSON), "w") as f:
-        import json
         json.dump({"step": 1, "model_config": config.to_dict()}, f)
     return root
 
@@ -163,14 +164,16 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
     # transformers 4.x computes relative positions: exported, position type kept in config.json
     monkeypatch.setattr(export_mod, "_installed_transformers_major", lambda: 4)
     export(relative, str(tmp_path / "o3"))
-    import json
     with open(tmp_path / "o3" / "config.json") as f:
         assert json.load(f)["position_embedding_type"] == "relative_key"
+    # ... and it comes back (bert-predict, trainer.init_from) as the relative-position model
+    config, state = read_hf_model(str(tmp_path / "o3"))
+    model = BertForPreTraining(BertConfig.from_dict(config))
+    model.load_state_dict(state, strict=True)
+    assert model.config.position_embedding_type == "relative_key"
 
 
 def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
-    from bert_pretrain.hf_import import read_hf_model
-
     out = str(tmp_path / "rt")
     used = export(run, out)
     config, state = read_hf_model(out)
@@ -180,9 +183,3 @@ def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
     assert state.keys() == original.keys()
     for key, value in original.items():
         assert torch.equal(state[key], value), key
-    # ... and it comes back (bert-predict, trainer.init_from) as the relative-position model
-    from bert_pretrain.hf_import import read_hf_model
-    config, state = read_hf_model(str(tmp_path / "o3"))
-    model = BertForPreTraining(BertConfig.from_dict(config))
-    model.load_state_dict(state, strict=True)
-    assert model.config.position_embedding_type == "relative_key"
