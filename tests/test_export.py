@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import save_model
 
 from bert_pretrain import checkpoint as ckpt
 from bert_pretrain import export as export_mod
@@ -141,20 +140,16 @@ def test_export_cli_and_errors(run, tmp_path):
 
 
 def _fake_checkpoint(root, **model):
-    """A checkpoint of a model variant, written the way bert-train writes one."""
+    """A checkpoint of a model variant, written by the checkpoint writer bert-train uses."""
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=32, **model)
-    path = os.path.join(root, "checkpoints", "step-00000001")
-    os.makedirs(path)
-    save_model(BertForPreTraining(config), os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, ckpt.STATE_JSON), "w") as f:
-        json.dump({"step": 1, "model_config": config.to_dict()}, f)
+    ckpt.save_checkpoint(root, 1, model=BertForPreTraining(config), optimizer_state={},
+                         extra_state={}, train_state={"model_config": config.to_dict()},
+                         config_yaml="", tokenizer_dir=None, keep_last_k=1)
     return root
 
 
 def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
-    # these hand-made checkpoints carry no integrity manifest; integrity is not under test here
-    monkeypatch.delattr(ckpt, "verify_checkpoint", raising=False)
     pre_ln = _fake_checkpoint(str(tmp_path / "preln"), pre_layer_norm=True)
     with pytest.raises(UserError, match="pre_layer_norm=true has no transformers equivalent"):
         export(pre_ln, str(tmp_path / "o1"))
