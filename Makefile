@@ -3,25 +3,35 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build is pinned so that an unpinned install never drags in several GB of CUDA wheels;
-# on a GPU machine set TORCH_SPEC to the build you want (e.g. TORCH_SPEC="torch==2.13.0").
+# torch is installed first, on its own, so that `pip install -e .` keeps the build chosen here.
+# TORCH_SPEC: the version.  TORCH_INDEX: where pip looks for it; empty = pip's configured index.
+# On the default PyPI index `torch==2.13.0` is the Linux CUDA build (several GB of nvidia-*
+# wheels); for the CPU build pass PyTorch's CPU index:
+#   make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (Our CI machines' pip is configured with a local wheel directory holding the CPU build, so
+# they need neither.)  Changing them later: `make clean-venv`, then any target.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# The demo's data: the README's prep command is this one.
+DEMO_DATA := prepared/builtin128
+DEMO_RUN := runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-slow test-all demo bench clean
+.PHONY: help install test test-slow test-all demo demo-clean bench clean clean-venv
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+	@echo "  Variables: TORCH_SPEC=$(TORCH_SPEC) TORCH_INDEX=$(or $(TORCH_INDEX),<pip's configured index>) PYTEST_ARGS=..."
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
-install: $(VENV)/.installed ## Create .venv and install the project (torch pinned, then the rest)
+install: $(VENV)/.installed ## Create .venv and install the project (torch from TORCH_SPEC/TORCH_INDEX first)
 
 test: install ## Set up and run the test suite (what CI runs first)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -32,13 +42,19 @@ test-slow: install ## Run only the slow tests (CI runs these after `make test`)
 test-all: install ## Run every test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-demo: install ## The main job: prepare the built-in corpus, train a small BERT on CPU, evaluate
-	$(VENV)/bin/bert-prep corpus=builtin output_dir=prepared/builtin128 validation_fraction=0.05
+demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU, evaluate it
+	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05
 	$(VENV)/bin/bert-train experiment=demo
+
+demo-clean: ## Remove the demo's prepared data and run (the next `make demo` starts afresh)
+	rm -rf $(DEMO_DATA) $(DEMO_RUN)
 
 bench: install ## Run the benchmarks (tables on stdout, JSON under bench/results/)
 	$(PY) bench/bench_prep.py
 	$(PY) bench/bench_model.py
 
-clean: ## Remove build outputs (keeps .venv)
-	rm -rf prepared runs outputs multirun bench/results .pytest_cache
+clean: ## Remove everything the commands wrote (prepared data, runs, sweeps, results); keeps .venv
+	rm -rf prepared runs outputs multirun exported bench/results .pytest_cache
+
+clean-venv: ## Remove .venv (then any target reinstalls, e.g. with another TORCH_INDEX)
+	rm -rf $(VENV)

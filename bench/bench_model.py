@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl  # noqa: E402
 
-PRESET_SIZES = {  # (layers, hidden, heads, intermediate): conf/model/<name>.yaml
+PRESET_SIZES = {  # (layers, hidden, heads, intermediate): conf/train/model/<name>.yaml
     "bert_tiny": (2, 128, 2, 512),
     "bert_mini": (4, 256, 4, 1024),
     "bert_small": (4, 512, 8, 2048),
@@ -52,12 +52,14 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
 
 
 def load_preset(name: str, vocab_size: int) -> BertConfig:
-    """Reads conf/model/<name>.yaml when PyYAML is there (it comes with Hydra)."""
+    """Reads conf/train/model/<name>.yaml when PyYAML is there (it comes with Hydra)."""
     try:
         import yaml
 
-        values = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
-        return BertConfig.from_dict(values, vocab_size=vocab_size)
+        values = yaml.safe_load((ROOT / "conf" / "train" / "model" / f"{name}.yaml").read_text())
+        # null ids in the presets are filled from the data's manifest by the trainer
+        return BertConfig.from_dict(values, vocab_size=vocab_size,
+                                    pad_token_id=values.get("pad_token_id") or 0)
     except ImportError:
         layers, hidden, heads, inter = PRESET_SIZES[name]
         return BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,

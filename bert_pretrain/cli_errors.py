@@ -3,12 +3,23 @@
 Hydra reports a misspelt key or an unknown group option in several lines (full_key,
 object_type, a HYDRA_FULL_ERROR hint) and exits 1. Both entry points compose their config once
 before Hydra runs, so such a mistake ends in the same `<prog>: error: ...` line and exit status 2
-as every other user error.
+as every other user error, with a 'did you mean ...' when a key or option is close to a real one.
+
+Each command has its own config root (conf/train/ for bert-train, conf/prep/ for bert-prep), so
+`--help` lists only its own groups; a setting of the other command gets a line saying where it
+belongs, and `accelerate=...` one saying how accelerate configs are used.
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
+import re
 import sys
 from typing import Callable, Optional
+
+# The config roots under conf/ and the command each belongs to.
+COMMANDS = {"train": "bert-train", "prep": "bert-prep"}
 
 
 def fail(prog: str, message: str) -> None:
@@ -40,6 +51,124 @@ def one_line(exc: Exception, suggest: Optional[Callable[[Exception], str]] = Non
     return message
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _compose(conf_dir: str, config_name: str, overrides: list):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+
+
+def _schema_fields(path: str, cfg) -> list:
+    """Fields the code accepts under `path` beyond those the chosen YAML option lists (model and
+    impl are free-form in the composed tree, checked later by the model's dataclasses)."""
+    cls = None
+    if path == "model":
+        from bert_pretrain.model.config import BertConfig as cls
+    elif path == "impl":
+        from bert_pretrain.model.config import ModelImpl as cls
+    elif path == "corpus":
+        from data_prep.config import CORPUS_CONFIGS
+        cls = CORPUS_CONFIGS.get(str(cfg.get("corpus", {}).get("source")))
+    elif path == "tokenizer":
+        from data_prep.config import TokenizerConfig as cls
+    return [f.name for f in dataclasses.fields(cls)] if cls else []
+
+
+def did_you_mean(exc: Exception, conf_dir: str, config_name: str, overrides: list) -> str:
+    """'did you mean ...' for a misspelt group option (model=bert_mnii) or key (model.hiden_size,
+    corpus.pahts, trainer.max_step, max_seq_lenght): the closest of the names that exist."""
+    text = str(exc)
+    found = re.search(r"Could not find '(.+)/([^/']+)'", text)
+    if found:  # an unknown option of a group: Hydra lists the available ones, one per tab line
+        group, option = found.groups()
+        options = [line.strip() for line in text.splitlines() if line.startswith("\t")]
+        close = difflib.get_close_matches(option, options, n=1)
+        return f"did you mean {group}={close[0]}?" if close else ""
+    cause = exc.__cause__ or exc.__context__
+    key = getattr(cause, "full_key", None)
+    found = re.search(r"Could not override '([^']+)'", text)
+    if found:
+        key = found.group(1)
+    if not key:
+        return ""
+    parent, _, leaf = key.rpartition(".")
+    from omegaconf import DictConfig, OmegaConf
+
+    # The keys that exist where the user meant to write: the config composed with every other
+    # override (they choose the group options, e.g. corpus=text), or with none if that fails too.
+    others = [o for o in overrides if _key(o) != key]
+    try:
+        cfg = _compose(conf_dir, config_name, others)
+    except Exception:
+        try:
+            cfg = _compose(conf_dir, config_name, [])
+        except Exception:
+            return ""
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    names = [str(k) for k in node.keys() if k != "hydra"] if isinstance(node, DictConfig) else []
+    names += _schema_fields(parent, cfg)
+    if leaf in names:
+        return ""
+    close = difflib.get_close_matches(leaf, sorted(set(names)), n=1)
+    if close:
+        return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
+    return _other_option(conf_dir, parent, leaf)
+
+
+def _other_option(conf_dir: str, group: str, leaf: str) -> str:
+    """A key of another option of `group` (corpus.paths belongs to corpus=text, not builtin)."""
+    from omegaconf import OmegaConf
+
+    folder = os.path.join(conf_dir, group) if group else ""
+    if not folder or not os.path.isdir(folder):
+        return ""
+    for option in sorted(os.listdir(folder)):
+        if not option.endswith(".yaml"):
+            continue
+        node = OmegaConf.load(os.path.join(folder, option))
+        names = [str(k) for k in node.keys() if k != "defaults"]
+        names += _schema_fields(group, {group: node})
+        close = difflib.get_close_matches(leaf, names, n=1)
+        if close:
+            return f"did you mean {group}={option[:-5]} {group}.{close[0]}?"
+    return ""
+
+
+def _belongs_elsewhere(prog: str, conf_dir: str, key: str) -> str:
+    """If `key`'s first part is a group or setting of the other command, say so."""
+    head = key.split(".")[0].split("/")[0]
+    own = os.path.basename(os.path.normpath(conf_dir))
+    for root, command in COMMANDS.items():
+        if root == own:
+            continue
+        other = os.path.join(os.path.dirname(os.path.normpath(conf_dir)), root)
+        top = set()
+        try:
+            from omegaconf import OmegaConf
+
+            top = set(OmegaConf.load(os.path.join(other, f"{root}.yaml")).keys())
+        except Exception:
+            pass
+        if os.path.isdir(os.path.join(other, head)) or head in top - {"defaults", "hydra"}:
+            return f"'{head}' is a {command} setting (conf/{root}/), not a {prog} one"
+    return ""
+
+
+def _accelerate(prog: str, override: str) -> str:
+    name = override.split("=", 1)[1] if "=" in override else "<name>"
+    if prog == "bert-train":
+        return (f"{override.lstrip('+~')} is not a bert-train setting: conf/accelerate/ holds "
+                f"accelerate launcher configs; run `accelerate launch --config_file "
+                f"conf/accelerate/{name}.yaml -m bert_pretrain.train ...` instead")
+    return (f"{override.lstrip('+~')} is not a {prog} setting: conf/accelerate/ holds launcher "
+            f"configs for training; bert-prep spreads its work with num_proc=N "
+            f"(and num_hosts/host_index across machines)")
+
+
 def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
              suggest: Optional[Callable[[Exception], str]] = None,
              skip: Callable[[str], bool] = lambda arg: False) -> None:
@@ -48,12 +177,21 @@ def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
     check to Hydra (sweep syntax is not an error there)."""
     if any(arg.startswith("-") or skip(arg) for arg in overrides):
         return
-    from hydra import compose, initialize_config_dir
+    for arg in overrides:
+        if _key(arg).split(".")[0] == "accelerate":
+            fail(prog, _accelerate(prog, arg))
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
-            compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+        _compose(conf_dir, config_name, overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        fail(prog, one_line(exc, suggest) + " (see conf/ for the keys and options)")
+        message = one_line(exc, suggest)
+        if "did you mean" not in message:
+            hint = did_you_mean(exc, conf_dir, config_name, overrides)
+            if not hint:
+                bad = re.search(r"Could not (?:override|find) '([^']+)'", str(exc))
+                hint = _belongs_elsewhere(prog, conf_dir, bad.group(1)) if bad else ""
+            message += f"; {hint}" if hint else ""
+        where = os.path.join("conf", os.path.basename(os.path.normpath(conf_dir)))
+        fail(prog, f"{message} (see `{prog} --help` or {where}/ for the keys and options)")

@@ -1,4 +1,4 @@
-"""The typed schema of `conf/train.yaml`, assembled from the schemas that sit beside the code they
+"""The typed schema of `conf/train/train.yaml`, assembled from the schemas beside the code they
 configure (DataConfig in data.py, OptimConfig/SchedulerConfig in optim.py, TrainerConfig in
 trainer.py, LoggerConfig in metrics.py; the model's BertConfig/ModelImpl are checked by the model
 package).  Registered in Hydra's ConfigStore as `train_schema`, so a misspelt key in a config file
@@ -22,9 +22,9 @@ from .trainer import TrainerConfig
 @dataclass
 class TrainConfig:
     model: Any = MISSING
-    """BertConfig fields (`conf/model/`); vocab_size null = from the data's manifest."""
+    """BertConfig fields (`conf/train/model/`); vocab_size null = from the data's manifest."""
     impl: Any = field(default_factory=dict)
-    """ModelImpl speed switches (`conf/impl/`)."""
+    """ModelImpl speed switches (`conf/train/impl/`)."""
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -34,7 +34,7 @@ IGNORE_INDEX = -100  # label of positions that are not predicted (torch cross-en
 
 @dataclass
 class DataConfig:
-    """`conf/data/`: which prepared directory to train on and how to mask it."""
+    """`conf/train/data/`: which prepared directory to train on and how to mask it."""
 
     dir: str = "???"
     """Output directory of `bert-prep` (it must hold a complete manifest.json)."""
@@ -54,6 +54,10 @@ class DataConfig:
             raise ValueError(f"data.masking must be static or dynamic, got {self.masking!r}")
         if self.masked_lm_prob is not None and not 0.0 < self.masked_lm_prob < 1.0:
             raise ValueError(f"data.masked_lm_prob must be in (0, 1), got {self.masked_lm_prob}")
+        if self.masked_lm_prob is not None and self.masking != "dynamic":
+            raise ValueError(f"data.masked_lm_prob={self.masked_lm_prob} only applies to "
+                             f"data.masking=dynamic (static masks were drawn by bert-prep at its "
+                             f"masked_lm_prob); set data.masking=dynamic or drop it")
         if self.pad_to_multiple_of < 1:
             raise ValueError("data.pad_to_multiple_of must be >= 1")
 
@@ -211,17 +215,22 @@ class Masker:
     """Dynamic MLM masking with the rules bert-prep uses (data_prep/masking.py), vectorised over a
     batch, with counter-based randomness instead of a sequential RNG.
 
-    Per sequence: predict min(max_predictions, max(1, rint(length * prob))) tokens (length counts
+    Per sequence: predict min(cap, max(1, rint(length * prob))) tokens (length counts
     [CLS]/[SEP], as Google) among non-special tokens ([CLS] [SEP] [PAD] [MASK] [UNK] and bracketed
     placeholders like [unused0] are never predicted); of those, 80% become [MASK], 10% a random
     non-special token, 10% stay.  With whole-word masking, words (a token and its '##' pieces) are
     taken whole in random order while they fit the budget, and the 80/10/10 choice is per word.
+
+    The cap is bert-prep's max_predictions_per_seq scaled by prob / bert-prep's masked_lm_prob:
+    at bert-prep's own rate it is the same budget as the static masks, and a higher rate raises
+    it (prep at 128/20 with a fixed cap of 20 would predict 15.9% of tokens at prob 0.4).
     """
 
     def __init__(self, data: PreparedData, seed: int, masked_lm_prob: Optional[float]):
         self.seed = seed
         self.prob = masked_lm_prob or float(data.masking.get("masked_lm_prob", 0.15))
-        self.max_predictions = data.max_predictions
+        prep_prob = float(data.masking.get("masked_lm_prob", 0.15))
+        self.max_predictions = int(np.ceil(data.max_predictions * self.prob / prep_prob - 1e-9))
         self.mask_id = data.special["mask"]
         vocab = data.vocab()
         self.special = np.array([bool(re.fullmatch(r"\[[^\[\]\s]+\]", t)) for t in vocab])

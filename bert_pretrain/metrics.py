@@ -13,7 +13,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 @dataclass
 class LoggerConfig:
-    """`conf/logger/`: none (metrics.jsonl and the progress bar only) or wandb."""
+    """`conf/train/logger/`: none (metrics.jsonl and the progress bar only) or wandb."""
 
     name: str = "none"
     project: str = "bert-pretrain"

@@ -11,7 +11,7 @@ SCHEDULES = ("linear", "polynomial", "constant")
 
 @dataclass
 class OptimConfig:
-    """`conf/optim/`: the optimizer and its hyperparameters (they change results)."""
+    """`conf/train/optim/`: the optimizer and its hyperparameters (they change results)."""
 
     name: str = "adamw"
     """adamw (torch.optim.AdamW) or lamb (layer-wise adaptive moments, You et al. 2019)."""
@@ -37,7 +37,7 @@ class OptimConfig:
 
 @dataclass
 class SchedulerConfig:
-    """`conf/scheduler/`: the shape of the learning-rate curve after warmup.
+    """`conf/train/scheduler/`: the shape of the learning-rate curve after warmup.
 
     The length of training (trainer.max_steps, trainer.budget_hours) and of warmup
     (trainer.warmup_steps) belong to the trainer; the scheduler is only the shape.
@@ -49,8 +49,16 @@ class SchedulerConfig:
     power: float = 1.0
     end_lr_ratio: float = 0.0
     """The learning rate at the end of training, as a fraction of optim.lr."""
+    decay_from: str = "warmup_end"
+    """Where the decay's progress counts from. warmup_end: 0 at the end of warmup, so the decay
+    starts at the peak (Google's BERT, transformers); start: step / max_steps over all steps, as
+    NVIDIA's PolyWarmUpScheduler, so right after warmup the rate is already
+    (1 - warmup / max_steps) ** power of the peak (0.846x for 2,000 of 7,038 steps)."""
 
     def __post_init__(self) -> None:
+        if self.decay_from not in ("warmup_end", "start"):
+            raise ValueError(f"scheduler.decay_from must be warmup_end or start, got "
+                             f"{self.decay_from!r}")
         if self.name not in SCHEDULES:
             raise ValueError(f"scheduler.name must be one of {', '.join(SCHEDULES)}, got "
                              f"{self.name!r}")
@@ -174,7 +182,8 @@ class Schedule:
       step mode:   (s - warmup) / (max_steps - warmup)
       budget mode: (elapsed - t_w) / (budget - t_w), t_w = elapsed seconds when warmup ended,
     i.e. in budget mode the curve follows wall-clock time, so a slower machine still ends at the
-    end of its schedule when the budget runs out (Cramming).
+    end of its schedule when the budget runs out (Cramming).  With `decay_from: start` the
+    progress counts from step 0 / time 0 instead: s / max_steps, elapsed / budget (NVIDIA).
     """
 
     def __init__(self, cfg: SchedulerConfig, max_steps: int, warmup_steps: int,
@@ -188,6 +197,10 @@ class Schedule:
     def factor(self, step: int, elapsed: float = 0.0) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
+        if self.cfg.decay_from == "start":
+            if self.budget_seconds is None:
+                return schedule_shape(self.cfg, step / max(self.max_steps, 1))
+            return schedule_shape(self.cfg, elapsed / self.budget_seconds)
         if self.budget_seconds is None:
             span = max(self.max_steps - self.warmup_steps, 1)
             return schedule_shape(self.cfg, (step - self.warmup_steps) / span)

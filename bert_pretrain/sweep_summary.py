@@ -3,7 +3,7 @@ The picture is drawn by plotting.py (shared with bert-report and bert-attention)
 
 Two entry points share the same code:
 
-* ``SweepSummaryCallback`` (a Hydra callback, wired in ``conf/train.yaml`` under
+* ``SweepSummaryCallback`` (a Hydra callback, wired in ``conf/train/train.yaml`` under
   ``hydra.callbacks``) records each member's outcome in ``<member dir>/trial.json`` when the job
   ends, and writes the summary into the sweep dir when the multirun ends -- also when Hydra's basic
   sweeper aborts the sweep because a member failed (it raises before ``on_multirun_end``).

@@ -20,10 +20,12 @@ from .config import register, settings
 from .errors import UserError
 
 register()
-# conf/ sits next to the package (../conf).  An absolute path, because Hydra resolves a relative
-# config_path against the calling *module* when run as the `bert-train` console script (it then
-# looks for an importable `conf` package) but against the file under `python -m`.
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# conf/train/ (bert-train's own config root, so --help lists only its groups) sits next to the
+# package.  An absolute path, because Hydra resolves a relative config_path against the calling
+# *module* when run as the `bert-train` console script (it then looks for an importable `conf`
+# package) but against the file under `python -m`.
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "conf", "train")
 
 
 def _fail(message: str) -> None:

@@ -1,11 +1,23 @@
-"""The pretraining loop: `train(settings)` reads top to bottom.
+"""The pretraining loop.
 
-setup (accelerate, data, model, resume) -> loop (lr, micro-batches with accumulation, clip, step,
-log, eval, checkpoint, preemption) -> final eval and checkpoint -> returns the held-out MLM loss.
+`Trainer(settings, ...)` sets up the accelerator, data, model, optimizer and resume state;
+`Trainer.fit()` is the loop, in one screen: one optimizer step (`train_step`), logging,
+evaluation, saving, the end report. The pieces are methods so that benchmarks and the GPU work
+can run one step or one evaluation without copying the loop.
+
+The loss of a step is the loss of the global batch: the MLM loss is the sum of the token losses
+over every predicted token of the global batch divided by their number, the NSP loss the mean
+over its sequences. Each micro-batch's summed loss is scaled by (processes / global count), so
+DDP's gradient averaging and the accumulation add up to exactly the global-batch gradient, and
+1 process or 64, with or without accumulation, train the same model (Google's BERT averages per
+core, which weights a token by how many predictions its core happened to get; transformers
+moved its gradient accumulation to this definition in 2024).
 """
 
 import contextlib
+import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -13,21 +25,24 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .errors import CheckpointError, ConfigError, DataError, TrainingError
+from .errors import ConfigError, DataError, TrainingError, UserError
+from .evaluation import evaluate, majority_baseline, model_inputs  # noqa: F401 (re-exported)
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
 @dataclass
 class TrainerConfig:
-    """`conf/trainer/`: how long and in what batches to train, and when to evaluate and save."""
+    """`conf/train/trainer/`: how long and in what batches to train, and when to evaluate and save."""
 
     max_steps: int = 1000
     """Optimizer steps (an upper bound in budget mode)."""
-    warmup_steps: int = 0
-    """Linear warmup length in optimizer steps."""
+    warmup_steps: Optional[int] = None
+    """Linear warmup length in optimizer steps; null = warmup_ratio x max_steps."""
+    warmup_ratio: float = 0.1
+    """Warmup as a fraction of max_steps, when warmup_steps is null (as transformers/RoBERTa),
+    so a run of any length works with the defaults."""
     budget_hours: Optional[float] = None
     """Wall-clock budget: the lr schedule follows elapsed/budget and training stops when it is
     spent (evaluation and checkpoint time excluded). null = step mode."""
@@ -35,7 +50,7 @@ class TrainerConfig:
     """Samples per optimizer step over all processes."""
     micro_batch_size: Optional[int] = None
     """Samples per forward/backward on one process; null = global / world (no accumulation).
-    Accumulation steps = global / (world x micro)."""
+    Accumulation steps = global / (world x micro). Changes speed and memory, not results."""
     mixed_precision: str = "no"
     """no, bf16, or fp16 (with dynamic loss scaling: steps with inf/nan gradients are skipped)."""
     max_grad_norm: Optional[float] = 1.0
@@ -50,11 +65,13 @@ class TrainerConfig:
     checkpoint_every: int = 1000
     keep_last_k: int = 3
     max_nonfinite_steps: int = 10
-    """Stop after this many consecutive non-finite losses (the step is skipped each time)."""
+    """Stop after this many consecutive non-finite steps (loss or gradient norm; each skipped)."""
     init_from: Optional[str] = None
     """A checkpoint directory to take the weights from (phase 2): fresh optimizer, schedule
     and data position."""
     progress_bar: bool = True
+    report: bool = True
+    """At the end, write <run_dir>/report/ (report.md and curves, as bert-report draws them)."""
     cpu: bool = False
     """Train on CPU even when a GPU is present."""
 
@@ -62,9 +79,13 @@ class TrainerConfig:
         for name in ("max_steps", "global_batch_size", "log_every", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "keep_last_k", "max_nonfinite_steps"):
+        for name in ("eval_every", "keep_last_k", "max_nonfinite_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError("trainer.micro_batch_size must be >= 1 or null")
         if self.budget_hours is not None and self.budget_hours <= 0:
@@ -74,9 +95,20 @@ class TrainerConfig:
                              f"{', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("trainer.max_grad_norm must be > 0 or null")
-        if self.warmup_steps >= self.max_steps and self.budget_hours is None:
-            raise ValueError(f"trainer.warmup_steps ({self.warmup_steps}) must be below "
+        if self.budget_hours is not None and self.warmup_steps is None and self.warmup_ratio:
+            raise ValueError("trainer.budget_hours measures the run in time, so there is no step "
+                             "count to take trainer.warmup_ratio of; set trainer.warmup_steps")
+        if self.warmup >= self.max_steps and self.budget_hours is None:
+            raise ValueError(f"trainer.warmup_steps ({self.warmup}) must be below "
                              f"trainer.max_steps ({self.max_steps})")
+
+    @property
+    def warmup(self) -> int:
+        """Warmup in steps: warmup_steps if set, else warmup_ratio of max_steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return 0 if self.budget_hours is not None else int(round(self.warmup_ratio *
+                                                                 self.max_steps))
 
 
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
@@ -109,315 +141,581 @@ class StopRequest:
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
-def _model_inputs(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "num_tokens"}
+@dataclass
+class StepResult:
+    """One optimizer step, over the global batch (identical on every process)."""
+
+    loss: float
+    mlm_loss: float
+    nsp_loss: float
+    num_tokens: int
+    """Non-padding tokens of the global batch."""
+    grad_norm: Optional[float]
+    updated: bool
+    """False when the step was skipped (non-finite loss or gradient norm)."""
+    stop_requested: bool
+    """Some process got SIGTERM/SIGINT during the step."""
 
 
-@torch.no_grad()
-def evaluate(model, accelerator, batches) -> dict:
-    """Token-weighted MLM loss/accuracy and NSP loss/accuracy over the held-out batches."""
-    was_training = model.training
-    model.eval()
-    sums = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
-    for batch in batches:
-        inputs = _model_inputs(batch, accelerator.device)
-        with accelerator.autocast():
-            out = model(**inputs)
-        if out.mlm_labels is not None:  # sparse: rows are the labelled positions
-            logits, labels = out.prediction_logits, out.mlm_labels
-        else:
-            labels = inputs["labels"].reshape(-1)
-            keep = labels != -100
-            logits = out.prediction_logits.reshape(labels.shape[0], -1)[keep]
-            labels = labels[keep]
-        nsp_logits, nsp_labels = out.seq_relationship_logits, inputs["next_sentence_label"]
-        sums += torch.stack([
-            F.cross_entropy(logits.float(), labels, reduction="sum").double(),
-            (logits.argmax(-1) == labels).sum().double(),
-            torch.tensor(labels.numel(), dtype=torch.float64, device=sums.device),
-            F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum").double(),
-            (nsp_logits.argmax(-1) == nsp_labels).sum().double(),
-            torch.tensor(nsp_labels.numel(), dtype=torch.float64, device=sums.device),
-        ])
-    sums = accelerator.reduce(sums, reduction="sum")
-    model.train(was_training)
-    mlm_n, nsp_n = max(sums[2].item(), 1.0), max(sums[5].item(), 1.0)
-    return {"eval_mlm_loss": sums[0].item() / mlm_n, "eval_mlm_accuracy": sums[1].item() / mlm_n,
-            "eval_nsp_loss": sums[3].item() / nsp_n, "eval_nsp_accuracy": sums[4].item() / nsp_n}
+class Trainer:
+    def __init__(self, s, resolved_config: dict, config_yaml: str):
+        """Set up everything `fit` needs; a bad setting fails here, before anything is written
+        (except the run directory's log once the configuration is known to be usable)."""
+        self.s, self.tc = s, s.trainer
+        self.resolved_config, self.config_yaml = resolved_config, config_yaml
+        self._setup_accelerator()
+        self._setup_data()
+        self._setup_model()
+        self._setup_run()
+        self._setup_optimizer_and_resume()
+        # Loop state; `fit` adds the progress bar and the signal handlers.
+        self.stop, self.bar, self.stopped_early, self.nonfinite = None, None, False, 0
+        for note in getattr(self, "import_notes", []):
+            self.log.warning(f"bert-train: warning: {note}")
+        self.window = torch.zeros(4, dtype=torch.float64)  # loss, mlm, nsp, steps logged
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.clock = time.perf_counter() - self.elapsed  # elapsed counts training time only
+        self.lr = float("nan")
 
+    # ------------------------------------------------------------------ set-up
+    def _setup_accelerator(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import GradientAccumulationPlugin
 
-def majority_baseline(data, split_name: str) -> float:
-    """MLM accuracy of always predicting the most frequent masked token of the held-out split:
-    the bar a model must clear to have learned anything beyond unigram frequencies."""
-    shards = data.split(split_name).shards
-    labels = [shard["masked_labels"][shard["masked_positions"][:] > 0] for shard in shards]
-    counts = np.bincount(np.concatenate(labels).astype(np.int64))
-    return float(counts.max() / max(counts.sum(), 1))
-
-
-def _find_resume(resume: str, run_dir: str) -> Optional[str]:
-    from .checkpoint import latest_checkpoint, list_checkpoints
-
-    if resume == "never":
-        if list_checkpoints(run_dir):
+        tc = self.tc
+        env_accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
+        if env_accumulation.strip() not in ("", "1"):
+            # accelerator.backward would divide every loss by it a second time.
             raise ConfigError(
-                f"{run_dir} already has checkpoints; continue it with resume=auto, or choose "
-                f"another run_dir (or name=...) for a fresh run"
+                f"accelerate's gradient accumulation is set to {env_accumulation} (accelerate "
+                f"launch --gradient_accumulation_steps or ACCELERATE_GRADIENT_ACCUMULATION_STEPS)"
+                f"; bert-train accumulates itself: drop that setting and set "
+                f"trainer.micro_batch_size (accumulation = global batch / (processes x micro))"
             )
-        return None
-    if resume == "auto":
-        return latest_checkpoint(run_dir)
-    if not os.path.isdir(resume):
-        raise CheckpointError(f"resume={resume}: no such checkpoint directory; use resume=auto "
-                              f"or a <run_dir>/checkpoints/step-XXXXXXXX path")
-    return resume
+        AcceleratorState._reset_state()  # several runs in one process (tests, sweeps)
+        # Without CUDA, accelerate treats a torchrun / `accelerate launch --multi_gpu` process as
+        # a lone process unless told cpu=True: N copies would each train alone into one run_dir.
+        acc = Accelerator(cpu=tc.cpu or not torch.cuda.is_available(),
+                          mixed_precision=tc.mixed_precision,
+                          gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and acc.num_processes == 1:
+            raise ConfigError(
+                f"launched as {launched} processes but accelerate set up {acc.num_processes}; "
+                f"check the launcher's device settings (e.g. trainer.cpu=true on CPU machines)"
+            )
+        if acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
+            # Checkpoints save the main process's full model/optimizer state: under FSDP/ZeRO
+            # those are shards, and the saved checkpoint would silently hold a fraction of it.
+            raise ConfigError(
+                f"accelerate is set up for {acc.distributed_type.name}, which bert-train "
+                f"does not support yet (its checkpoints would hold only one shard); launch with "
+                f"DDP (conf/accelerate/multi_gpu.yaml or multi_node.yaml)"
+            )
+        self.accelerator = acc
+        self.world, self.rank, self.main = acc.num_processes, acc.process_index, \
+            acc.is_main_process
+
+    def _setup_data(self) -> None:
+        from .data import PreparedData, TrainStream
+
+        s, tc = self.s, self.tc
+        data = PreparedData(s.data.dir)
+        if s.model.get("vocab_size") not in (None, data.vocab_size):
+            raise DataError(
+                f"model.vocab_size={s.model['vocab_size']} but the data in {s.data.dir} was "
+                f"tokenized with a {data.vocab_size}-token vocabulary; set model.vocab_size=null "
+                f"(take it from the data) or prepare the data with the matching tokenizer"
+            )
+        pad = data.special.get("pad", 0)
+        if s.model.get("pad_token_id") not in (None, pad):
+            raise DataError(
+                f"model.pad_token_id={s.model['pad_token_id']} but [PAD] is token {pad} in the "
+                f"data's tokenizer ({s.data.dir}); set model.pad_token_id=null (take it from "
+                f"the data)"
+            )
+        self.micro = tc.micro_batch_size or tc.global_batch_size // self.world
+        self.stream = TrainStream(data, s.data, s.seed, tc.global_batch_size, self.micro,
+                                  self.world, self.rank)
+        self.accumulation = self.stream.accumulation_steps
+        eval_info = data.manifest["splits"].get(s.data.eval_split)
+        # bert-prep validation_fraction=0 writes an empty held-out split: train without
+        # evaluation rather than refuse the data.
+        self.can_evaluate = not (eval_info and int(eval_info.get("num_instances", 1)) == 0)
+        if self.can_evaluate:
+            data.split(s.data.eval_split)  # fail now, not at the first evaluation
+        self.data = data
+
+    def _setup_model(self) -> None:
+        from accelerate.utils import set_seed
+
+        from .model import BertConfig, BertForPreTraining, ModelImpl
+
+        s, data = self.s, self.data
+        self.hf_state = None
+        try:
+            if self.tc.init_from and self._init_from_transformers():
+                model_values = self._read_transformers_model()
+            else:
+                model_values = {**s.model, "vocab_size": data.vocab_size,
+                                "pad_token_id": data.special.get("pad", 0)}
+            self.model_cfg = BertConfig.from_dict(model_values)
+            impl = ModelImpl.from_dict(s.impl)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if data.max_seq_length > self.model_cfg.max_position_embeddings:
+            raise DataError(
+                f"the data's max_seq_length ({data.max_seq_length}) exceeds "
+                f"model.max_position_embeddings ({self.model_cfg.max_position_embeddings}); "
+                f"raise it or prepare shorter sequences"
+            )
+        set_seed(s.seed)  # model init is a function of the seed alone
+        self.raw_model = BertForPreTraining(self.model_cfg, impl)
+
+    def _init_from_transformers(self) -> bool:
+        from .hf_import import is_hf_model_dir
+
+        return os.path.isdir(self.tc.init_from) and is_hf_model_dir(self.tc.init_from)
+
+    def _read_transformers_model(self) -> dict:
+        """Continued pretraining from a transformers BERT directory: its config.json is the
+        model config (model.* settings are not used) and its tokenizer must be the data's."""
+        import warnings
+
+        from .hf_import import check_against_data, read_hf_model
+
+        path, data = self.tc.init_from, self.data
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            config, self.hf_state = read_hf_model(path, seed=self.s.seed)
+            notes = check_against_data(path, config, data)
+        pad = data.special.get("pad", 0)
+        if config.get("pad_token_id", pad) != pad:
+            raise DataError(f"trainer.init_from={path} has pad_token_id "
+                            f"{config['pad_token_id']} but [PAD] is token {pad} in the data; "
+                            f"prepare the data with bert-prep tokenizer.vocab_file={path}")
+        self.import_notes = [str(w.message) for w in caught] + list(notes)
+        return {**config, "pad_token_id": pad}
+
+    def _setup_run(self) -> None:
+        from . import checkpoint as ckpt
+        from .resume import check_seed, find_resume, saved_config
+        from .runlog import open_run_log
+
+        s = self.s
+        self.run_dir = s.run_dir
+        self.resume_path = find_resume(s.resume, self.run_dir)
+        self.saved_config = saved_config(self.resume_path) if self.resume_path else None
+        if self.resume_path:
+            check_seed(self.saved_config, s.seed, self.resume_path)
+        if self.main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            ckpt.clean_partial(self.run_dir)
+        self.log = open_run_log(self.run_dir, self.main, self.rank)
+
+    def _setup_optimizer_and_resume(self) -> None:
+        from . import checkpoint as ckpt
+        from .metrics import Metrics, NullMetrics, eval_record_at
+        from .optim import Schedule, build_optimizer
+        from .resume import apply_hyperparameters
+
+        s, tc, acc = self.s, self.tc, self.accelerator
+        self.state = {"step": 0, "tokens_seen": 0, "samples_consumed": 0, "elapsed_seconds": 0.0}
+        source = self.resume_path or tc.init_from
+        if source and self.hf_state is not None and not self.resume_path:
+            self.raw_model.load_state_dict(self.hf_state, strict=True)
+        elif source:
+            saved = ckpt.read_train_state(source)
+            ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
+                                  self.data.tokenizer_sha256)
+            ckpt.load_weights(source, self.raw_model)
+            if self.resume_path:
+                self.state.update({k: saved[k] for k in self.state})
+        optimizer = build_optimizer(s.optim, self.raw_model.named_parameters())
+        self.model, self.optimizer = acc.prepare(self.raw_model, optimizer)
+        self.schedule = Schedule(s.scheduler, tc.max_steps, tc.warmup,
+                                 tc.budget_hours * 3600 if tc.budget_hours else None)
+        if self.resume_path:
+            self._warn_changed_settings()
+            fresh = [dict(g) for g in self.optimizer.param_groups]
+            opt_state, extra, rng = ckpt.load_states(self.resume_path, self.rank)
+            self.optimizer.load_state_dict(opt_state)
+            apply_hyperparameters(self.optimizer, fresh)
+            self.schedule.load_state_dict(extra["schedule"])
+            if acc.scaler is not None and extra.get("scaler"):
+                acc.scaler.load_state_dict(extra["scaler"])
+            if rng is not None:
+                ckpt.set_rng_state(rng)
+        self.step, self.tokens_seen = self.state["step"], self.state["tokens_seen"]
+        self.elapsed = self.state["elapsed_seconds"]
+        self.stream.position.samples_consumed = self.state["samples_consumed"]
+        self.last_eval = None
+        if self.resume_path:
+            logged = eval_record_at(self.run_dir, self.step)
+            self.last_eval = (self.step, logged) if logged else None
+            acc.wait_for_everyone()  # every rank has read metrics.jsonl before it changes
+        self.metrics = (Metrics(s.logger, self.run_dir, s.name, self.resolved_config,
+                                self.step if self.resume_path else None)
+                        if self.main else NullMetrics())
+        self.last_saved = self.step if self.resume_path else None
+
+    def _warn_changed_settings(self) -> None:
+        from .resume import changed_settings, describe
+
+        if self.saved_config is None:
+            return
+        changes = changed_settings(self.saved_config, self.resolved_config)
+        if changes:
+            lr_change = self._lr_change(self.saved_config)
+            self.log.warning(f"bert-train: warning: resuming {self.resume_path} with changed "
+                             f"settings (they apply from step {self.state['step']} on): "
+                             f"{describe(changes, lr_change)}")
+
+    def _lr_change(self, old: dict) -> Optional[tuple]:
+        """(step, old lr, new lr) at the resume step, in step mode, if the lr moves."""
+        from .optim import Schedule, SchedulerConfig
+
+        if self.tc.budget_hours is not None:
+            return None
+        step = self.state["step"]
+        try:
+            old_trainer = TrainerConfig(**{k: v for k, v in old["trainer"].items()
+                                           if k in TrainerConfig.__dataclass_fields__})
+            old_schedule = Schedule(SchedulerConfig(**old["scheduler"]), old_trainer.max_steps,
+                                    old_trainer.warmup)
+            before = float(old["optim"]["lr"]) * old_schedule.factor(step)
+        except (KeyError, TypeError, ValueError):  # a checkpoint of an older config layout
+            return None
+        after = self.s.optim.lr * self.schedule.factor(step)
+        return None if math.isclose(before, after, rel_tol=1e-12) else (step, before, after)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> float:
+        """Train until max_steps or the budget; returns the final held-out MLM loss."""
+        tc = self.tc
+        self._start_loop()
+        try:
+            if self._finished():
+                self._say_already_finished()
+            while not self._finished():
+                result = self.train_step()
+                self.log_step(result)
+                paused = time.perf_counter()  # evaluation and saving do not eat the budget
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.can_evaluate:
+                    self.run_evaluation(intermediate=not self._finished())
+                if self.step % tc.checkpoint_every == 0 and result.updated:
+                    self.save()
+                self.clock += time.perf_counter() - paused
+                if result.stop_requested:
+                    self.log.info(f"bert-train: stop requested: saving at step {self.step} and "
+                                  f"exiting; continue with resume=auto")
+                    self.stopped_early = True
+                    break
+            self.bar.close()
+            return self.finish()
+        finally:
+            self.close()
+
+    def _finished(self) -> bool:
+        budget = self.tc.budget_hours * 3600 if self.tc.budget_hours else None
+        return self.step >= self.tc.max_steps or bool(budget and self.elapsed >= budget)
+
+    def _start_loop(self) -> None:
+        from tqdm.auto import tqdm
+
+        tc = self.tc
+        self._say_start()
+        self.stop = StopRequest()
+        budget = tc.budget_hours * 3600 if tc.budget_hours else None
+        # In budget mode the bar counts seconds of the budget, so its ETA is the real one.
+        self.bar = tqdm(total=round(budget) if budget else tc.max_steps,
+                        initial=round(self.elapsed) if budget else self.step,
+                        unit="s" if budget else "step", dynamic_ncols=True, desc="train",
+                        disable=not (self.main and tc.progress_bar))
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+        self.clock = time.perf_counter() - self.elapsed
+        self.model.train()
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> StepResult:
+        """One optimizer step on the next global batch: this process's micro-batches, forward
+        and backward each, then clip and update (or skip, if anything is non-finite)."""
+        from .data import IGNORE_INDEX
+        from .optim import set_lr
+
+        acc, tc = self.accelerator, self.tc
+        lr = self.s.optim.lr * self.schedule.factor(self.step, self.elapsed)
+        set_lr(self.optimizer, lr)
+        self.lr = lr
+        batches = self.stream.next_step()
+        # The global batch's counts, known before any forward pass: the normalisers of its loss.
+        counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
+                               sum(int(b["next_sentence_label"].numel()) for b in batches),
+                               sum(int(b["num_tokens"]) for b in batches)],
+                              dtype=torch.float64, device=acc.device)
+        if self.world > 1:
+            counts = acc.reduce(counts, reduction="sum")
+        num_mlm, num_nsp = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
+        sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # mlm, nsp, stop flag
+        for j, batch in enumerate(batches):
+            torch.manual_seed(dropout_seed(self.s.seed, self.step,
+                                           self.rank * self.accumulation + j))
+            inputs = model_inputs(batch, acc.device)
+            last = j == len(batches) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                out = self.model(**inputs, loss_reduction="sum")
+                # x world: DDP averages gradients over processes, the global batch sums them.
+                acc.backward(out.mlm_loss * (self.world / num_mlm) +
+                             out.nsp_loss * (self.world / num_nsp))
+            sums[:2] += torch.stack([out.mlm_loss.detach(), out.nsp_loss.detach()]).double()
+        sums[2] = float(self.stop is not None and self.stop.requested)
+        if self.world > 1:
+            sums = acc.reduce(sums, reduction="sum")
+        mlm, nsp = sums[0].item() / num_mlm, sums[1].item() / num_nsp
+        grad_norm = self._grad_norm()
+        finite = math.isfinite(mlm + nsp) and (grad_norm is None or math.isfinite(grad_norm))
+        # fp16: the grad scaler skips steps with inf/nan gradients itself and lowers its scale.
+        updated = finite or tc.mixed_precision == "fp16"
+        if updated:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        num_tokens = int(counts[2].item())
+        self.tokens_seen += num_tokens
+        self.elapsed = time.perf_counter() - self.clock
+        result = StepResult(mlm + nsp, mlm, nsp, num_tokens, grad_norm, updated and finite,
+                            sums[2].item() > 0)
+        self._count_nonfinite(result)
+        return result
+
+    def _grad_norm(self) -> Optional[float]:
+        """The global gradient norm (after DDP's all-reduce), clipped to max_grad_norm if set."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.tc.max_grad_norm is not None:
+            return float(self.accelerator.clip_grad_norm_(params, self.tc.max_grad_norm))
+        if self.tc.mixed_precision == "fp16":
+            return None  # scaled gradients: the grad scaler checks them
+        grads = [p.grad for p in params]
+        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+            return float(torch.nn.utils.get_total_norm(grads))
+        return float(torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    def _count_nonfinite(self, result: StepResult) -> None:
+        """A run that keeps producing inf/nan stops with its last good checkpoint intact rather
+        than overwriting it; skipped steps leave the weights as they were."""
+        from . import checkpoint as ckpt
+
+        if result.updated or self.tc.mixed_precision == "fp16":
+            self.nonfinite = 0
+            return
+        self.nonfinite += 1
+        if self.nonfinite >= max(self.tc.max_nonfinite_steps, 1):
+            last = ckpt.latest_checkpoint(self.run_dir)
+            raise TrainingError(
+                f"the loss or gradient norm was non-finite for {self.nonfinite} consecutive "
+                f"steps (step {self.step}); last good checkpoint: {last or 'none'}; lower "
+                f"optim.lr, raise trainer.warmup_steps or set trainer.max_grad_norm, then "
+                f"resume=auto"
+            )
+
+    # ------------------------------------------------------------------ logging
+    def log_step(self, result: StepResult) -> None:
+        """Average the window's steps into one metrics.jsonl record every log_every steps."""
+        tc = self.tc
+        if result.updated:
+            self.window += torch.tensor([result.loss, result.mlm_loss, result.nsp_loss, 1.0],
+                                        dtype=torch.float64)
+        self.window_tokens += result.num_tokens
+        budget = tc.budget_hours * 3600 if tc.budget_hours else None
+        if self.bar is not None:
+            self.bar.update(min(round(self.elapsed), round(budget)) - self.bar.n if budget else 1)
+        if self.step % tc.log_every and self.step != tc.max_steps:
+            return
+        now = time.perf_counter()
+        n = max(self.window[3].item(), 1.0)
+        record = {"step": self.step, "loss": self.window[0].item() / n,
+                  "mlm_loss": self.window[1].item() / n, "nsp_loss": self.window[2].item() / n,
+                  "lr": self.lr,
+                  "tokens_per_s": self.window_tokens / max(now - self.window_start, 1e-9),
+                  "tokens_seen": self.tokens_seen, "epoch": round(self.stream.epoch, 4),
+                  "elapsed_s": round(self.elapsed, 2)}
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        if self.window[3].item() == 0:  # every step of the window was skipped (non-finite)
+            record.update(loss=None, mlm_loss=None, nsp_loss=None)
+        if self.nonfinite:
+            record["nonfinite_steps"] = self.nonfinite
+        self.metrics.log(record)
+        if self.bar is not None:
+            self.bar.set_postfix(step=self.step, lr=f"{self.lr:.2e}",
+                                 loss="skipped" if record["loss"] is None else
+                                 f"{record['loss']:.3f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
+        self.window.zero_()
+        self.window_tokens, self.window_start = 0, time.perf_counter()
+
+    # ------------------------------------------------------------------ evaluation
+    def run_evaluation(self, intermediate: bool = False) -> dict:
+        """Evaluate the current weights on the held-out split (every process takes part)."""
+        from tqdm.auto import tqdm
+
+        from .data import eval_batches
+
+        tc, split = self.tc, self.data.split(self.s.data.eval_split)
+        size = tc.eval_batch_size or self.micro
+        total = split.num_instances if tc.eval_max_samples is None else \
+            min(tc.eval_max_samples, split.num_instances)
+        bar = tqdm(total=len(range(self.rank * size, total, self.world * size)), desc="eval",
+                   unit="batch", leave=False, dynamic_ncols=True,
+                   disable=not (self.main and tc.progress_bar))
+        result = evaluate(self.accelerator.unwrap_model(self.model), self.accelerator,
+                          eval_batches(self.data, self.s.data, size, self.world, self.rank,
+                                       tc.eval_max_samples), progress=bar)
+        bar.close()
+        self.metrics.log({"step": self.step, **result})
+        if intermediate:
+            self.log.info(f"bert-train: step {self.step}: held-out MLM loss "
+                          f"{result['eval_mlm_loss']:.4f}, MLM accuracy "
+                          f"{result['eval_mlm_accuracy']:.4f}, NSP accuracy "
+                          f"{result['eval_nsp_accuracy']:.4f}")
+        self.last_eval = (self.step, result)
+        return result
+
+    # ------------------------------------------------------------------ saving
+    def save(self) -> str:
+        """Checkpoint the whole run state (every process takes part; rank 0 writes)."""
+        from . import checkpoint as ckpt
+
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not all(torch.isfinite(p).all() for p in unwrapped.parameters()):
+            # Never label a poisoned state a checkpoint: resume=auto would pick it.
+            raise TrainingError(
+                f"the weights hold inf/nan at step {self.step}; not saving them; last good "
+                f"checkpoint: {ckpt.latest_checkpoint(self.run_dir) or 'none'}"
+            )
+        acc, tc = self.accelerator, self.tc
+        path = ckpt.save_checkpoint(
+            self.run_dir, self.step, model=unwrapped, optimizer_state=self.optimizer.state_dict(),
+            extra_state={"schedule": self.schedule.state_dict(),
+                         "scaler": acc.scaler.state_dict() if acc.scaler else None},
+            train_state={"tokens_seen": self.tokens_seen,
+                         "samples_consumed": self.stream.position.samples_consumed,
+                         "elapsed_seconds": self.elapsed, "epoch": self.stream.epoch,
+                         "world_size": self.world, "global_batch_size": tc.global_batch_size,
+                         "model_config": self.model_cfg.to_dict(),
+                         "tokenizer_sha256": self.data.tokenizer_sha256},
+            config_yaml=self.config_yaml, tokenizer_dir=self.data.tokenizer_dir,
+            keep_last_k=tc.keep_last_k, rank=self.rank, barrier=acc.wait_for_everyone)
+        self.last_saved = self.step
+        return path
+
+    # ------------------------------------------------------------------ start and end
+    def _say_start(self) -> None:
+        tc, cfg = self.tc, self.model_cfg
+        params = sum(p.numel() for p in self.raw_model.parameters())
+        self.log.info(
+            f"bert-train: {cfg.num_hidden_layers} layers x {cfg.hidden_size}, {params / 1e6:.1f}M "
+            f"parameters; {self.stream.split.num_instances} training instances; {self.world} "
+            f"process(es), global batch {tc.global_batch_size} = {self.world} x {self.micro} x "
+            f"{self.accumulation} accumulation; warmup {tc.warmup} steps; run_dir {self.run_dir}"
+            + (f"; resumed from {self.resume_path}" if self.resume_path else
+               f"; weights from {tc.init_from}" if tc.init_from else ""))
+        if not self.can_evaluate:
+            self.log.info(f"bert-train: the held-out split {self.s.data.eval_split!r} of "
+                          f"{self.s.data.dir} is empty (bert-prep validation_fraction=0): "
+                          f"training without evaluation")
+
+    def _say_already_finished(self) -> None:
+        self.log.info(
+            f"bert-train: {self.run_dir} already finished at step {self.step} (resumed a finished "
+            f"run: nothing to train); to train again from scratch delete {self.run_dir} (for "
+            f"the demo: make demo-clean), or continue it with a larger trainer.max_steps or "
+            f"trainer.budget_hours")
+
+    def finish(self) -> float:
+        """Save (first: preemption grace periods are short), evaluate unless preempted, report."""
+        from . import checkpoint as ckpt
+
+        if self.last_saved != self.step:
+            final = self.save()
+        else:
+            final = os.path.join(ckpt.checkpoints_root(self.run_dir), f"step-{self.step:08d}")
+        if self.can_evaluate and not self.stopped_early and (
+                self.last_eval is None or self.last_eval[0] != self.step):
+            self.run_evaluation()
+        result = self.last_eval[1] if self.last_eval else {"eval_mlm_loss": float("nan")}
+        state = "stopped" if self.stopped_early else "finished"
+        if self.last_eval:
+            baseline = majority_baseline(self.data, self.s.data.eval_split)
+            self.log.info(
+                f"bert-train: {state} at step {self.step}; eval at step {self.last_eval[0]}: "
+                f"MLM loss {result['eval_mlm_loss']:.4f}, MLM accuracy "
+                f"{result['eval_mlm_accuracy']:.4f} (always predicting the most frequent token: "
+                f"{baseline:.4f}), NSP accuracy {result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
+        else:
+            self.log.info(f"bert-train: {state} at step {self.step} (no evaluation)")
+        self.log.info(f"  checkpoint: {final}")
+        self.log.info(f"  metrics:    {self.metrics.path}")
+        self.log.info(f"  logs:       {os.path.join(self.run_dir, 'train.log')}, config in "
+                      f"{os.path.join(final, 'config.yaml')}")
+        if self.metrics.wandb_dir:
+            self.log.info(f"  wandb:      {self.metrics.wandb_dir}")
+        if self.main and self.tc.report:
+            self._write_report()
+        return float(result["eval_mlm_loss"])
+
+    def _write_report(self) -> None:
+        """report.md and curves (bert-report) in the run directory; a failed picture never
+        fails a finished run."""
+        from .report import write_run_report
+
+        try:
+            self.log.info(f"  report:     {write_run_report(self.run_dir)}")
+        except Exception as exc:  # plotting back-ends, fonts, a full disk: say it, go on
+            self.log.warning(f"bert-train: warning: no run report ({str(exc).splitlines()[0]}); "
+                             f"draw it later with bert-report {self.run_dir}")
+
+    def close(self) -> None:
+        """Release the log, the progress bar, signal handlers, metrics and the accelerator."""
+        from .runlog import close_run_log
+
+        if self.bar is not None:
+            self.bar.close()
+        if self.stop is not None:
+            self.stop.restore()
+        self.metrics.close()
+        close_run_log()
+        self.accelerator.end_training()
+
+
+def _has_results(run_dir: str) -> bool:
+    return any(os.path.exists(os.path.join(run_dir, name))
+               for name in ("checkpoints", "metrics.jsonl", "wandb"))
+
+
+def _remove_unused_run_dir(run_dir: str) -> None:
+    """A run that failed before training leaves no directory behind (only what Hydra and the
+    log wrote, never anything with results)."""
+    if os.path.isdir(run_dir) and not _has_results(run_dir) and \
+            set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def train(s, resolved_config: dict, config_yaml: str) -> float:
     """Run pretraining as configured by `s` (config.Settings); returns the final eval MLM loss."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    from . import checkpoint as ckpt
-    from .data import PreparedData, TrainStream, eval_batches
-    from .metrics import Metrics, NullMetrics, eval_record_at
-    from .model import BertConfig, BertForPreTraining, ModelImpl
-    from .optim import Schedule, build_optimizer, set_lr
-
-    tc = s.trainer
-    # ---------------------------------------------------------------- setup
-    AcceleratorState._reset_state()  # several runs in one process (tests, sweeps)
-    # Without CUDA, accelerate treats a torchrun / `accelerate launch --multi_gpu` process as a
-    # lone process unless told cpu=True: N copies would each train alone into the same run_dir.
-    accelerator = Accelerator(cpu=tc.cpu or not torch.cuda.is_available(),
-                              mixed_precision=tc.mixed_precision)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and accelerator.num_processes == 1:
-        raise ConfigError(
-            f"launched as {launched} processes but accelerate set up {accelerator.num_processes}; "
-            f"check the launcher's device settings (e.g. trainer.cpu=true on CPU machines)"
-        )
-    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
-        # Checkpoints save the main process's full model/optimizer state: under FSDP/ZeRO those
-        # are shards, and the saved checkpoint would silently hold a fraction of the run.
-        raise ConfigError(
-            f"accelerate is set up for {accelerator.distributed_type.name}, which bert-train "
-            f"does not support yet (its checkpoints would hold only one shard); launch with DDP "
-            f"(conf/accelerate/multi_gpu.yaml or multi_node.yaml)"
-        )
-    world, rank, main = accelerator.num_processes, accelerator.process_index, \
-        accelerator.is_main_process
-    data = PreparedData(s.data.dir)
-    if s.model.get("vocab_size") not in (None, data.vocab_size):
-        raise DataError(
-            f"model.vocab_size={s.model['vocab_size']} but the data in {s.data.dir} was "
-            f"tokenized with a {data.vocab_size}-token vocabulary; set model.vocab_size=null "
-            f"(take it from the data) or prepare the data with the matching tokenizer"
-        )
+    had_results = os.path.isdir(s.run_dir) and _has_results(s.run_dir)
     try:
-        model_cfg = BertConfig.from_dict(s.model, vocab_size=data.vocab_size)
-        impl = ModelImpl.from_dict(s.impl)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if data.max_seq_length > model_cfg.max_position_embeddings:
-        raise DataError(
-            f"the data's max_seq_length ({data.max_seq_length}) exceeds "
-            f"model.max_position_embeddings ({model_cfg.max_position_embeddings}); raise it or "
-            f"prepare shorter sequences"
-        )
-    micro = tc.micro_batch_size or tc.global_batch_size // world
-    stream = TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank)
-    data.split(s.data.eval_split)  # fail now, not at the first evaluation
-    accumulation = stream.accumulation_steps
+        trainer = Trainer(s, resolved_config, config_yaml)
+    except UserError:
+        from .runlog import close_run_log
 
-    run_dir = s.run_dir
-    if main:
-        os.makedirs(run_dir, exist_ok=True)
-        ckpt.clean_partial(run_dir)
-    resume_path = _find_resume(s.resume, run_dir)
-    set_seed(s.seed)  # model init is a function of the seed alone
-    model = BertForPreTraining(model_cfg, impl)
-    state = {"step": 0, "tokens_seen": 0, "samples_consumed": 0, "elapsed_seconds": 0.0}
-    source = resume_path or tc.init_from
-    if source:
-        saved = ckpt.read_train_state(source)
-        ckpt.check_compatible(source, saved, model_cfg.to_dict(), data.tokenizer_sha256)
-        ckpt.load_weights(source, model)
-        if resume_path:
-            state.update({k: saved[k] for k in state})
-    optimizer = build_optimizer(s.optim, model.named_parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
-    unwrapped = accelerator.unwrap_model(model)
-    schedule = Schedule(s.scheduler, tc.max_steps, tc.warmup_steps,
-                        tc.budget_hours * 3600 if tc.budget_hours else None)
-    if resume_path:
-        opt_state, extra, rng = ckpt.load_states(resume_path, rank)
-        optimizer.load_state_dict(opt_state)
-        schedule.load_state_dict(extra["schedule"])
-        if accelerator.scaler is not None and extra.get("scaler"):
-            accelerator.scaler.load_state_dict(extra["scaler"])
-        if rng is not None:
-            ckpt.set_rng_state(rng)
-    step, tokens_seen, elapsed = state["step"], state["tokens_seen"], state["elapsed_seconds"]
-    stream.position.samples_consumed = state["samples_consumed"]
-
-    last_eval = None
-    if resume_path:
-        logged = eval_record_at(run_dir, step)
-        last_eval = (step, logged) if logged else None
-        accelerator.wait_for_everyone()  # every rank has read metrics.jsonl before it changes
-    metrics = (Metrics(s.logger, run_dir, s.name, resolved_config,
-                       step if resume_path else None) if main else NullMetrics())
-    if main:
-        print(f"bert-train: {model_cfg.num_hidden_layers} layers x {model_cfg.hidden_size}, "
-              f"{sum(p.numel() for p in unwrapped.parameters()) / 1e6:.1f}M parameters; "
-              f"{stream.split.num_instances} training instances; {world} process(es), global "
-              f"batch {tc.global_batch_size} = {world} x {micro} x {accumulation} accumulation; "
-              f"run_dir {run_dir}"
-              + (f"; resumed from {resume_path}" if resume_path else ""), flush=True)
-
-    def save() -> str:
-        return ckpt.save_checkpoint(
-            run_dir, step, model=unwrapped, optimizer_state=optimizer.state_dict(),
-            extra_state={"schedule": schedule.state_dict(),
-                         "scaler": accelerator.scaler.state_dict() if accelerator.scaler else None},
-            train_state={"tokens_seen": tokens_seen, "samples_consumed":
-                         stream.position.samples_consumed, "elapsed_seconds": elapsed,
-                         "epoch": stream.epoch, "world_size": world,
-                         "global_batch_size": tc.global_batch_size,
-                         "model_config": model_cfg.to_dict(),
-                         "tokenizer_sha256": data.tokenizer_sha256},
-            config_yaml=config_yaml, tokenizer_dir=data.tokenizer_dir,
-            keep_last_k=tc.keep_last_k, rank=rank, barrier=accelerator.wait_for_everyone)
-
-    def run_eval() -> dict:
-        result = evaluate(unwrapped, accelerator, eval_batches(
-            data, s.data, tc.eval_batch_size or micro, world, rank, tc.eval_max_samples))
-        metrics.log({"step": step, **result})
-        return result
-
-    # ---------------------------------------------------------------- loop
-    stop = StopRequest()
-    budget = tc.budget_hours * 3600 if tc.budget_hours else None
-    # In budget mode the bar counts seconds of the budget, so its ETA is the real one.
-    bar = tqdm(total=round(budget) if budget else tc.max_steps,
-               initial=round(elapsed) if budget else step, unit="s" if budget else "step",
-               disable=not (main and tc.progress_bar), dynamic_ncols=True, desc="train")
-    nonfinite = 0
-    window = torch.zeros(4, dtype=torch.float64)  # loss, mlm, nsp, steps since last log
-    window_tokens, window_start = 0, time.perf_counter()
-    last_saved = step if resume_path else None
-    clock = time.perf_counter() - elapsed  # elapsed counts training time only
-    model.train()
-    while step < tc.max_steps and not (budget and elapsed >= budget):
-        lr = s.optim.lr * schedule.factor(step, elapsed)
-        set_lr(optimizer, lr)
-        # Local sums: loss, mlm loss, nsp loss, tokens, stop flag; reduced once per step.
-        local = torch.zeros(5, dtype=torch.float64, device=accelerator.device)
-        for j, batch in enumerate(stream.next_step()):
-            torch.manual_seed(dropout_seed(s.seed, step, rank * accumulation + j))
-            inputs = _model_inputs(batch, accelerator.device)
-            sync = j == accumulation - 1
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                out = model(**inputs)
-                accelerator.backward(out.loss / accumulation)
-            local[:3] += torch.stack([out.loss.detach(), out.mlm_loss.detach(),
-                                      out.nsp_loss.detach()]).double()
-            local[3] += batch["num_tokens"]
-        local[4] = float(stop.requested)
-        if world > 1:
-            local = accelerator.reduce(local, reduction="sum")
-        losses = (local[:3] / (accumulation * world)).cpu()
-        if not torch.isfinite(losses[0]) and tc.mixed_precision != "fp16":
-            # Skip the update; a run that keeps producing inf/nan stops with its last good
-            # checkpoint intact rather than overwriting it with garbage.
-            optimizer.zero_grad(set_to_none=True)
-            nonfinite += 1
-            if nonfinite >= max(tc.max_nonfinite_steps, 1):
-                last = ckpt.latest_checkpoint(run_dir)
-                raise TrainingError(
-                    f"the loss was non-finite for {nonfinite} consecutive steps (step {step + 1}); "
-                    f"last good checkpoint: {last or 'none'}; lower optim.lr, raise "
-                    f"trainer.warmup_steps or set trainer.max_grad_norm, then resume=auto"
-                )
-        else:
-            if tc.max_grad_norm is not None:
-                accelerator.clip_grad_norm_(model.parameters(), tc.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            nonfinite = 0
-            if torch.isfinite(losses[0]):  # (fp16: the scaler skipped this step's update)
-                window[:3] += losses
-                window[3] += 1
-        step += 1
-        tokens_seen += int(local[3].item())
-        window_tokens += int(local[3].item())
-        elapsed = time.perf_counter() - clock
-        bar.update(min(round(elapsed), round(budget)) - bar.n if budget else 1)
-
-        if step % tc.log_every == 0 or step == tc.max_steps:
-            now = time.perf_counter()
-            n = max(window[3].item(), 1.0)
-            record = {"step": step, "loss": window[0].item() / n, "mlm_loss": window[1].item() / n,
-                      "nsp_loss": window[2].item() / n, "lr": lr,
-                      "tokens_per_s": window_tokens / max(now - window_start, 1e-9),
-                      "tokens_seen": tokens_seen, "epoch": round(stream.epoch, 4),
-                      "elapsed_s": round(elapsed, 2)}
-            if window[3].item() == 0:  # every step of the window was skipped (non-finite)
-                record.update(loss=None, mlm_loss=None, nsp_loss=None)
-            if nonfinite:
-                record["nonfinite_steps"] = nonfinite
-            metrics.log(record)
-            bar.set_postfix(step=step,
-                            loss="skipped" if record["loss"] is None else f"{record['loss']:.3f}",
-                            lr=f"{lr:.2e}",
-                            tok_s=f"{record['tokens_per_s']:.0f}")
-            window.zero_()
-            window_tokens, window_start = 0, time.perf_counter()
-        pause = time.perf_counter()  # evaluation and saving do not eat the training budget
-        if tc.eval_every and step % tc.eval_every == 0:
-            last_eval = (step, run_eval())
-        if step % tc.checkpoint_every == 0 and nonfinite == 0:  # never save a suspect state
-            save()
-            last_saved = step
-        clock += time.perf_counter() - pause
-        if local[4].item() > 0:
-            if main:
-                print(f"\nbert-train: stop requested: saving at step {step} and exiting; "
-                      f"continue with resume=auto", flush=True)
-            break
-    bar.close()
-    stop.restore()
-
-    # ---------------------------------------------------------------- the end
-    stopped_early = local[4].item() > 0 if step > state["step"] else False
-    # Preempted: save first (grace periods are short) and skip the final evaluation.
-    if last_saved != step:
-        final = save()
-    else:
-        final = os.path.join(ckpt.checkpoints_root(run_dir), f"step-{step:08d}")
-    if not stopped_early and (last_eval is None or last_eval[0] != step):
-        last_eval = (step, run_eval())
-    result = last_eval[1] if last_eval else {"eval_mlm_loss": float("nan")}
-    if main:
-        if last_eval:
-            print(f"bert-train: {'stopped' if stopped_early else 'finished'} at step {step}; "
-                  f"eval at step {last_eval[0]}: MLM loss {result['eval_mlm_loss']:.4f}, MLM "
-                  f"accuracy {result['eval_mlm_accuracy']:.4f} (always predicting the most "
-                  f"frequent token: {majority_baseline(data, s.data.eval_split):.4f}), NSP "
-                  f"accuracy {result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
-        else:
-            print(f"bert-train: stopped at step {step} (no evaluation yet)")
-        print(f"  checkpoint: {final}")
-        print(f"  metrics:    {metrics.path}")
-        print(f"  logs:       {os.path.join(run_dir, 'train.log')} (Hydra), config in "
-              f"{os.path.join(final, 'config.yaml')}")
-        if metrics.wandb_dir:
-            print(f"  wandb:      {metrics.wandb_dir}")
-    metrics.close()
-    accelerator.end_training()
-    return float(result["eval_mlm_loss"])
+        close_run_log()
+        if not had_results:
+            _remove_unused_run_dir(s.run_dir)
+        raise
+    return trainer.fit()

@@ -1,7 +1,7 @@
 """Data prep: raw text -> MLM + NSP pretraining instances (`bert-prep`).
 
 Pipeline (`pipeline.run`), one module per step:
-  config.py          the validated settings (conf/prep.yaml, conf/corpus/*.yaml)
+  config.py          the validated settings (conf/prep/prep.yaml, conf/prep/corpus/*.yaml)
   corpus.py          corpus sources -> a stream of (starts_document, sentence)
   builtin_corpus.py  the no-download corpus: Python's own documentation
   tokenizer.py       WordPiece: train, or reuse a vocab.txt / tokenizer.json; save for transformers

@@ -1,4 +1,4 @@
-"""`bert-prep`: the Hydra entry point (config: conf/prep.yaml, corpus group: conf/corpus/).
+"""`bert-prep`: the Hydra entry point (conf/prep/prep.yaml, groups: conf/prep/corpus/).
 
     bert-prep corpus=text corpus.paths='[data/wiki/*.txt]' tokenizer.vocab_size=30522 \
               max_seq_length=128 dupe_factor=5 num_proc=8 output_dir=prepared/wiki128
@@ -24,9 +24,10 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-# "../conf" relative to this file, made absolute: given a relative path, Hydra resolves it as a
-# Python package ("pkg://conf") when the entry point is an installed console script, and fails.
-CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
+# "../conf/prep" (bert-prep's own config root, so --help lists only its groups) relative to this
+# file, made absolute: given a relative path, Hydra resolves it as a Python package
+# ("pkg://conf") when the entry point is an installed console script, and fails.
+CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf", "prep")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="prep")

@@ -1,4 +1,4 @@
-"""Typed, validated schema of the prep config (`conf/prep.yaml` + `conf/corpus/*.yaml`).
+"""Typed, validated schema of the prep config (`conf/prep/prep.yaml` + `conf/prep/corpus/*.yaml`).
 
 Hydra composes the YAML; `PrepConfig.from_dict` turns the result into these dataclasses and
 `__post_init__` validates every field, so a bad value fails before any work starts, with a

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -102,14 +103,29 @@ def _from_tokenizer_json(path: str):
     except (ValueError, OSError, Exception) as e:
         raise PrepError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0]})") \
             from None
-    norm = spec.get("normalizer") or {}
-    lower = bool(norm.get("lowercase", False)) if norm.get("type") == "BertNormalizer" \
-        else any(n.get("type") == "Lowercase" for n in norm.get("normalizers", []))
-    return tok, lower
+    return tok, normalizer_settings(tok)["do_lower_case"]
+
+
+def normalizer_settings(tok) -> dict:
+    """do_lower_case / strip_accents / tokenize_chinese_chars of a tokenizer's normaliser, as
+    transformers' BertTokenizerFast names them: it rebuilds its BertNormalizer from these keys of
+    tokenizer_config.json (ignoring tokenizer.json's), so they must describe ours exactly."""
+    norm = json.loads(tok.to_str()).get("normalizer") or {}
+    if norm.get("type") == "BertNormalizer":
+        return {"do_lower_case": bool(norm.get("lowercase", False)),
+                "strip_accents": norm.get("strip_accents"),
+                "tokenize_chinese_chars": bool(norm.get("handle_chinese_chars", True))}
+    # A chain of simple normalisers (or none): the nearest BertNormalizer settings.
+    kinds = {n.get("type") for n in norm.get("normalizers", [norm])}
+    return {"do_lower_case": "Lowercase" in kinds, "strip_accents": "StripAccents" in kinds,
+            "tokenize_chinese_chars": False}
 
 
 def load_tokenizer(path: str, do_lower_case: bool = True):
-    """A tokenizers.Tokenizer from a vocab.txt, a tokenizer.json or a dir with either."""
+    """A tokenizers.Tokenizer from a vocab.txt, a tokenizer.json or a dir with either.
+
+    A vocab.txt is normalised as `do_lower_case` says; a tokenizer.json carries its own
+    normaliser, which wins (a one-line warning on stderr when `do_lower_case` disagrees)."""
     if os.path.isdir(path):
         for name in ("tokenizer.json", "vocab.txt"):
             if os.path.isfile(os.path.join(path, name)):
@@ -119,7 +135,12 @@ def load_tokenizer(path: str, do_lower_case: bool = True):
     if not os.path.isfile(path):
         raise PrepError(f"tokenizer.vocab_file={path!r}: no such file")
     if path.endswith(".json"):
-        return _from_tokenizer_json(path)
+        tok, lower = _from_tokenizer_json(path)
+        if lower != do_lower_case:
+            print(f"bert-prep: warning: tokenizer.do_lower_case={str(do_lower_case).lower()} is "
+                  f"ignored: {path} has its own normaliser (lowercase={str(lower).lower()}), "
+                  f"which is used", file=sys.stderr)
+        return tok, lower
     return _from_vocab_txt(path, do_lower_case)
 
 
@@ -187,8 +208,8 @@ def save_tokenizer(pt: PreparedTokenizer, directory: str, replace: bool = True) 
     pt.tokenizer.save(os.path.join(tmp, "tokenizer.json"))
     names = dict(zip(_SPECIAL_KEYS, SPECIAL_TOKENS))
     special_map = {f"{k}_token": v for k, v in names.items()}
-    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": pt.do_lower_case,
-              "strip_accents": None, "tokenize_chinese_chars": True, "model_max_length": 512,
+    config = {"tokenizer_class": "BertTokenizer", **normalizer_settings(pt.tokenizer),
+              "model_max_length": 512,
               "clean_up_tokenization_spaces": False, **special_map}
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:

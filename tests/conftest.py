@@ -6,37 +6,59 @@ import random
 
 import pytest
 
-GUTENBERG = "/work/shared/corpora/gutenberg.txt"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="session")
 def prep_compose():
-    """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep.yaml."""
+    """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep/prep.yaml."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     from data_prep.config import PrepConfig
 
     def make(*overrides: str) -> PrepConfig:
-        with initialize_config_dir(os.path.join(REPO, "conf"), version_base="1.3"):
+        with initialize_config_dir(os.path.join(REPO, "conf", "prep"), version_base="1.3"):
             cfg = compose("prep", overrides=["progress=false", *overrides])
         return PrepConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
     return make
 
 
+def _write_builtin_text(path) -> int:
+    """The builtin corpus (Python's own documentation, data_prep/builtin_corpus.py: always
+    there, no download) in BERT's text format: one sentence per line, a blank line between
+    documents.  Returns the number of documents."""
+    from data_prep.config import BuiltinCorpusConfig
+    from data_prep.corpus import read_builtin
+    docs: list[list[str]] = []
+    for new_doc, sentence in read_builtin(BuiltinCorpusConfig()):
+        if new_doc:
+            docs.append([])
+        docs[-1].append(sentence)
+    path.write_text("\n\n".join("\n".join(d) for d in docs) + "\n", encoding="utf-8")
+    return len(docs)
+
+
 @pytest.fixture(scope="session")
-def prep_gutenberg_vocab(tmp_path_factory):
-    """A WordPiece vocab (8k) trained on the Gutenberg corpus: the tokenizer/ dir."""
-    if not os.path.exists(GUTENBERG):
-        pytest.skip(f"{GUTENBERG} not available")
+def prep_builtin_text(tmp_path_factory):
+    """(path, num_documents) of the whole builtin corpus as a text file (572 documents,
+    ~1.8 MB, ~400k tokens)."""
+    path = tmp_path_factory.mktemp("prep_builtin") / "builtin.txt"
+    n = _write_builtin_text(path)
+    assert n > 500 and path.stat().st_size > 1_500_000, "the builtin corpus shrank"
+    return str(path), n
+
+
+@pytest.fixture(scope="session")
+def prep_vocab(tmp_path_factory, prep_builtin_text):
+    """A WordPiece vocab (8k) trained on the builtin corpus: the tokenizer/ dir."""
     from data_prep.config import TextCorpusConfig, TokenizerConfig
     from data_prep.pipeline import _sentence_batches
     from data_prep.tokenizer import prepare_tokenizer
     d = tmp_path_factory.mktemp("prep_vocab") / "tokenizer"
     prepare_tokenizer(TokenizerConfig(vocab_size=8000),
-                      lambda: _sentence_batches(TextCorpusConfig(paths=[GUTENBERG])), str(d),
-                      progress=False)
+                      lambda: _sentence_batches(TextCorpusConfig(paths=[prep_builtin_text[0]])),
+                      str(d), progress=False)
     return str(d)
 
 
@@ -71,13 +93,13 @@ def prep_tagged(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def prep_gutenberg_small(tmp_path_factory):
-    """The first 400 sentences of each Gutenberg book (13 documents, ~0.7 MB)."""
-    if not os.path.exists(GUTENBERG):
-        pytest.skip(f"{GUTENBERG} not available")
-    docs = open(GUTENBERG, encoding="utf-8").read().split("\n\n")
+def prep_small(tmp_path_factory, prep_builtin_text):
+    """The first 60 sentences of each builtin document whose text is long enough to give
+    instances (~0.8 MB): the masking and tokenizer tests' corpus."""
+    docs = open(prep_builtin_text[0], encoding="utf-8").read().split("\n\n")
     path = tmp_path_factory.mktemp("prep_small") / "small.txt"
-    path.write_text("\n\n".join("\n".join(d.split("\n")[:400]) for d in docs), encoding="utf-8")
+    path.write_text("\n\n".join("\n".join(d.split("\n")[:60]) for d in docs),
+                    encoding="utf-8")
     return str(path)
 
 

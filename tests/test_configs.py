@@ -10,7 +10,7 @@ from bert_pretrain.config import settings
 from bert_pretrain.model import BertConfig
 from train_support import REPO, compose, read_metrics, train_in_process, write_prepared
 
-CONF = os.path.join(REPO, "conf")
+CONF = os.path.join(REPO, "conf", "train")
 # Shrink any model to a test size (the option's other fields, e.g. activation, stay as they are).
 SHRINK = ["model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
           "model.intermediate_size=64"]
@@ -42,7 +42,7 @@ def test_every_group_has_the_documented_options():
 @pytest.mark.parametrize("model", options("model"))
 def test_model_options_compose_and_validate(model, prepared):
     s = settings(compose([f"model={model}", f"data.dir={prepared}"]))
-    cfg = BertConfig.from_dict(s.model, vocab_size=64)
+    cfg = BertConfig.from_dict(s.model, vocab_size=64, pad_token_id=0)
     assert cfg.hidden_size % cfg.num_attention_heads == 0
     expected = {"bert_tiny": (2, 128), "bert_mini": (4, 256), "bert_small": (4, 512),
                 "bert_medium": (8, 512), "bert_base": (12, 768), "bert_large": (24, 1024)}

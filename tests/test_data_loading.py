@@ -222,3 +222,129 @@ def test_eval_batches_cover_split_once_across_ranks(prepared):
     # evenly spaced over the split, not its first 6 rows
     expected = collate(data.split("validation").gather(np.array([0, 1, 3, 5, 6, 8])), 8)
     assert _rows(subset) == _rows([expected])
+
+
+def _disk(root, split="train"):
+    """Every array of a split, read straight from the .npy files in manifest order."""
+    manifest = json.load(open(os.path.join(root, "manifest.json")))
+    shards = manifest["splits"][split]["shards"]
+    return {key: np.concatenate([np.load(os.path.join(root, s["path"], key + ".npy"))
+                                 for s in shards])
+            for key in ("input_ids", "lengths", "segment_a_lengths", "masked_positions",
+                        "masked_labels", "next_sentence_labels")}
+
+
+def _expected_batch(disk, idx, seq):
+    """What the model must see for rows `idx`, built from the arrays by hand."""
+    n = len(idx)
+    ids = disk["input_ids"][idx, :seq].astype(np.int64)
+    labels = np.full((n, seq), -100)
+    types = np.zeros((n, seq), np.int64)
+    mask = np.zeros((n, seq), np.int64)
+    for r, i in enumerate(idx):
+        length, a = int(disk["lengths"][i]), int(disk["segment_a_lengths"][i])
+        mask[r, :length] = 1
+        types[r, a:length] = 1
+        for p, lab in zip(disk["masked_positions"][i], disk["masked_labels"][i]):
+            if p > 0:
+                labels[r, p] = lab
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types, "labels": labels,
+            "next_sentence_label": disk["next_sentence_labels"][idx].astype(np.int64)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_training_batches_equal_the_arrays_on_disk(prepared, world):
+    """Every field of every micro-batch, next_sentence_label included, against the .npy files
+    (rows in the seeded epoch order, cut per rank and micro-batch)."""
+    from bert_pretrain.data import epoch_permutation
+    disk = _disk(prepared)
+    assert 0 < disk["next_sentence_labels"].mean() < 1      # both labels occur
+    perm = epoch_permutation(7, 0, 50)
+    streams = [_stream(prepared, world=world, rank=r, global_batch=12, micro=3)
+               for r in range(world)]
+    for step in range(4):
+        got = [b for s in streams for b in s.next_step()]
+        order = perm[step * 12:(step + 1) * 12]
+        assert len(got) == 4
+        for j, batch in enumerate(got):
+            want = _expected_batch(disk, order[3 * j:3 * j + 3], batch["input_ids"].shape[1])
+            assert set(batch) == set(want) | {"num_tokens"}
+            for key, value in want.items():
+                assert batch[key].tolist() == value.tolist(), (step, j, key)
+            assert batch["num_tokens"] == int(want["attention_mask"].sum())
+
+
+def test_eval_batches_equal_the_arrays_on_disk(prepared):
+    disk = _disk(prepared, "validation")
+    data = PreparedData(prepared)
+    batches = list(eval_batches(data, DataConfig(dir=prepared), 4, 1, 0, None))
+    start = 0
+    for batch in batches:
+        idx = np.arange(start, start + len(batch["input_ids"]))
+        want = _expected_batch(disk, idx, batch["input_ids"].shape[1])
+        for key, value in want.items():
+            assert batch[key].tolist() == value.tolist(), key
+        start += len(idx)
+    assert start == 10
+
+
+def test_dynamic_whole_word_masking_decides_80_10_10_per_word(tmp_path):
+    """Each chosen word is all [MASK], all kept or all random tokens, and words split
+    80/10/10 (Google's whole-word rule; deciding per token would mix them inside words)."""
+    root = write_prepared(str(tmp_path / "w"), num_train=600, num_valid=4, seq=64, max_pred=20,
+                          vocab_size=400, whole_word=True)
+    data = PreparedData(root)
+    rows = data.split("train").gather(np.arange(600))
+    ids = unmasked_ids(rows)
+    lengths = rows["lengths"].astype(np.int64)
+    cont = np.array([t.startswith("##") for t in data.vocab()])
+    out, labels = Masker(data, seed=5, masked_lm_prob=0.15)(
+        ids, lengths, np.zeros(600, np.int64), np.arange(600))
+    chosen = labels != -100
+    kinds = {"mask": 0, "kept": 0, "random": 0}
+    mixed = multi = 0
+    for i in range(600):
+        j = 1
+        while j < lengths[i]:
+            end = j + 1
+            while end < lengths[i] and ids[i, end] > 4 and cont[ids[i, end]]:
+                end += 1
+            if chosen[i, j]:
+                word = {"mask" if o == 4 else "kept" if o == t else "random"
+                        for o, t in zip(out[i, j:end], ids[i, j:end])}
+                if end - j > 1:
+                    multi += 1
+                    mixed += len(word) > 1
+                kinds[sorted(word)[0]] += 1
+            j = end
+    total = sum(kinds.values())
+    assert multi > 300 and total > 1500
+    assert mixed <= 0.01 * multi         # a random pick can equal the original (1 in ~400)
+    assert kinds["mask"] / total == pytest.approx(0.8, abs=0.03)
+    assert kinds["kept"] / total == pytest.approx(0.1, abs=0.025)
+    assert kinds["random"] / total == pytest.approx(0.1, abs=0.025)
+
+
+@pytest.mark.parametrize("prob", [0.15, 0.3, 0.4])
+def test_dynamic_masking_rate_is_not_capped_by_the_prep_budget(tmp_path, prob):
+    """Data prepared with max_predictions_per_seq=20 at 15% (Google's 128/20): the dynamic
+    rate data.masked_lm_prob is what the model gets, not min(20, ...) per row."""
+    root = write_prepared(str(tmp_path / "p"), num_train=300, num_valid=4, seq=128, max_pred=20,
+                          vocab_size=200)
+    data = PreparedData(root)
+    rows = data.split("train").gather(np.arange(300))
+    ids = unmasked_ids(rows)
+    lengths = rows["lengths"].astype(np.int64)
+    assert (np.rint(lengths * prob) > 20).mean() > 0.3 or prob == 0.15   # rows a cap of 20 clips
+    _, labels = Masker(data, seed=3, masked_lm_prob=prob)(ids, lengths, np.zeros(300, np.int64),
+                                                          np.arange(300))
+    per_row = (labels != -100).sum(1)
+    assert (per_row == np.maximum(1, np.rint(lengths * prob))).all()
+    assert per_row.sum() / lengths.sum() == pytest.approx(prob, abs=0.005)
+
+
+def test_masked_lm_prob_is_refused_with_static_masking():
+    with pytest.raises(ValueError, match="data.masked_lm_prob=0.2 only applies to data.masking="
+                                         "dynamic"):
+        DataConfig(dir="x", masking="static", masked_lm_prob=0.2)
+    assert DataConfig(dir="x", masking="dynamic", masked_lm_prob=0.2).masked_lm_prob == 0.2

@@ -208,8 +208,10 @@ def test_parity_with_transformers(position_type, hidden_act):
     cfg = tiny_config(position_embedding_type=position_type, hidden_act=hidden_act)
     ours = BertForPreTraining(cfg, PLAIN).eval()
     hf = reference_model(cfg)
-    assert sorted(ours.state_dict()) == sorted(hf.state_dict())
-    hf.load_state_dict(ours.state_dict(), strict=True)
+    assert sorted(ours.hf_state_dict()) == sorted(hf.state_dict())
+    hf.load_state_dict(ours.hf_state_dict(), strict=True)
+    # ... and transformers' state dict (with its unused absolute table) loads into ours.
+    BertForPreTraining(cfg, PLAIN).load_state_dict(hf.state_dict(), strict=True)
     batch = make_batch(cfg)
     with torch.no_grad():
         mine, ref = ours(**batch), hf(**batch)
@@ -262,3 +264,18 @@ def test_attentions_and_hidden_states_match_transformers():
     assert len(mine.hidden_states) == len(ref.hidden_states) == cfg.num_hidden_layers + 1
     for a, b in zip(mine.hidden_states, ref.hidden_states):
         assert torch.allclose(a[mask], b[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("position_type", ["absolute", "relative_key", "relative_key_query"])
+@pytest.mark.parametrize("pre_layer_norm", [False, True])
+def test_every_parameter_takes_part_in_the_forward_pass(position_type, pre_layer_norm):
+    """DDP (find_unused_parameters off) stops at step 2 on a parameter that gets no gradient;
+    relative position types used to keep an unused absolute position table."""
+    cfg = tiny_config(position_embedding_type=position_type, pre_layer_norm=pre_layer_norm)
+    model = BertForPreTraining(cfg)
+    model(**make_batch(cfg)).loss.backward()
+    unused = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not unused
+    has_table = "bert.embeddings.position_embeddings.weight" in model.state_dict()
+    assert has_table == (position_type == "absolute")
+    assert "bert.embeddings.position_embeddings.weight" in model.hf_state_dict()

@@ -56,7 +56,11 @@ def assert_same_step(reference, candidate, batch, atol=1e-5):
         assert torch.equal(out.mlm_labels, batch["labels"][labelled])
         assert torch.allclose(out.prediction_logits, dense_rows, atol=atol, rtol=0)
     else:
-        assert torch.allclose(out.prediction_logits[labelled], dense_rows, atol=atol, rtol=0)
+        # Dense logits: every real position, not only the labelled ones.
+        real = torch.ones_like(labelled) if batch.get("attention_mask") is None \
+            else batch["attention_mask"].bool()
+        assert torch.allclose(out.prediction_logits[real], ref_out.prediction_logits[real],
+                              atol=atol, rtol=0)
     assert grads.keys() == ref_grads.keys()
     for name, g in grads.items():
         assert torch.allclose(g, ref_grads[name], atol=atol, rtol=1e-4), name
@@ -75,18 +79,64 @@ def twin(cfg, impl, source):
     dict(fused_qkv=True),
     dict(attention="eager"),
     dict(sparse_prediction=True, unpad=True, fused_qkv=True),
-    dict(sparse_prediction=True, unpad=True, fast_dropout=True),
 ], ids=lambda s: "+".join(s))
 @pytest.mark.parametrize("position_type", ["absolute", "relative_key", "relative_key_query"])
 def test_switch_equals_plain_path(switches, position_type):
     # Dropout off: the layouts draw different random masks, which is fine in training but would
-    # make the comparison meaningless.
+    # make the comparison meaningless (fast dropout is compared with its masks replayed below).
     cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                       position_embedding_type=position_type)
     torch.manual_seed(0)
     plain = BertForPreTraining(cfg, PLAIN).train()
     fast = twin(cfg, dataclasses.replace(PLAIN, **switches), plain)
     assert_same_step(plain, fast, make_batch(cfg))
+
+
+@pytest.mark.parametrize("switches", [
+    dict(),
+    dict(sparse_prediction=True, unpad=True),
+], ids=lambda s: "+".join(["fast_dropout", *s]))
+@pytest.mark.parametrize("position_type", ["absolute", "relative_key"])
+def test_fast_dropout_equals_torch_dropout_with_the_same_masks(switches, position_type,
+                                                              monkeypatch):
+    """At p > 0 (where dropout is not the identity): the fast-dropout model records the masks
+    it draws; the same model with torch's dropout (attention on the explicit eager path, so its
+    dropout goes through F.dropout too) replays them.  Outputs and gradients must agree."""
+    from bert_pretrain.model import dropout as dropout_mod
+
+    cfg = tiny_config(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                      position_embedding_type=position_type)
+    torch.manual_seed(0)
+    ref = BertForPreTraining(cfg, dataclasses.replace(PLAIN, attention="eager", **switches))
+    fast = twin(cfg, dataclasses.replace(PLAIN, fast_dropout=True, **switches), ref.train())
+    masks = []
+    fast_apply = dropout_mod._CpuDropout.apply
+
+    def record(x, p):
+        y = fast_apply(x, p)
+        masks.append((y != 0) | (x == 0))    # where x is 0 either choice gives 0
+        return y
+
+    def replay(x, p, training=True, inplace=False):
+        assert training and p > 0
+        return x * masks.pop(0) / (1 - p)
+
+    batch = make_batch(cfg, seed=3)
+    monkeypatch.setattr(dropout_mod._CpuDropout, "apply", staticmethod(record))
+    out, grads = run_step(fast, batch)
+    n = len(masks)
+    assert n == 3 * cfg.num_hidden_layers + 1       # embeddings, attention probs, 2 residuals
+    dropped = sum((~m).sum().item() for m in masks) / sum(m.numel() for m in masks)
+    assert 0.05 < dropped < 0.15                    # really dropping (zeros in x aside)
+    monkeypatch.setattr(torch.nn.functional, "dropout", replay)
+    ref_out, ref_grads = run_step(ref, batch)
+    assert not masks, "the reference drew fewer masks"
+    for name in ("loss", "mlm_loss", "nsp_loss", "prediction_logits", "seq_relationship_logits"):
+        assert torch.allclose(getattr(out, name), getattr(ref_out, name), atol=1e-5, rtol=0), \
+            name
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        assert torch.allclose(g, ref_grads[name], atol=1e-5, rtol=1e-4), name
 
 
 @pytest.mark.parametrize("unpad", [False, True])

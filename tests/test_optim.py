@@ -108,3 +108,124 @@ def test_budget_mode_follows_elapsed_time_and_restores_state():
     resumed = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
     resumed.load_state_dict(s.state_dict())
     assert resumed.factor(50, elapsed=55.0) == s.factor(50, elapsed=55.0)
+
+
+def _real_model_with_grads():
+    """A tiny BertForPreTraining with gradients from one real batch."""
+    from bert_pretrain.model import BertConfig, BertForPreTraining
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=16,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForPreTraining(cfg)
+    with torch.no_grad():   # LayerNorms start at exactly 1 / 0: move them off that
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(5, 50, (4, 12))
+    labels = torch.where(torch.rand(4, 12) < 0.3, ids, torch.full_like(ids, -100))
+    labels[:, 1] = ids[:, 1]
+    model(ids, labels=labels, next_sentence_label=torch.tensor([0, 1, 0, 1])).loss.backward()
+    return model
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_real_model_wiring_no_decay_no_adaptation_for_1d(name):
+    """Every 1-d parameter of a real model (biases, LayerNorms, the MLM bias) gets no weight
+    decay and, with LAMB, no trust ratio; every matrix gets both; each tensor once."""
+    model = _real_model_with_grads()
+    opt = build_optimizer(OptimConfig(name=name, lr=1e-2, weight_decay=0.1),
+                          model.named_parameters())
+    seen = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert id(p) not in seen, "a tensor is in two groups"
+            seen[id(p)] = group
+    params = dict(model.named_parameters())
+    assert set(seen) == {id(p) for p in params.values()}
+    one_d = [n for n, p in params.items() if p.ndim == 1]
+    assert any("LayerNorm" in n for n in one_d) and "cls.predictions.bias" in one_d
+    for n, p in params.items():
+        group = seen[id(p)]
+        if p.ndim == 1:
+            assert group["weight_decay"] == 0.0, n
+            if name == "lamb":
+                assert group["exclude_from_layer_adaptation"] is True, n
+        else:
+            assert group["weight_decay"] == 0.1, n
+            if name == "lamb":
+                assert group["exclude_from_layer_adaptation"] is False, n
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb"])
+def test_one_step_on_a_layernorm_weight_and_a_matrix(name):
+    """One optimizer step on a real model against the formulas, computed here.  Step 1 of Adam
+    moves by g / (|g| + eps) (bias-corrected moments); a LayerNorm weight gets no decay and (LAMB)
+    no trust ratio; a matrix gets decay and (LAMB) ratio ||w|| / ||u||."""
+    model = _real_model_with_grads()
+    lr, wd, eps = 1e-2, 0.1, 1e-6
+    ln = model.bert.encoder.layer[0].attention.output.LayerNorm.weight
+    mat = model.bert.encoder.layer[0].intermediate.dense.weight
+    before = {k: (p.detach().double().clone(), p.grad.double().clone())
+              for k, p in (("ln", ln), ("mat", mat))}
+    opt = build_optimizer(OptimConfig(name=name, lr=lr, weight_decay=wd, eps=eps, fused=False),
+                          model.named_parameters())
+    opt.step()
+    w, g = before["ln"]
+    adam = g / (g.abs() + eps)
+    torch.testing.assert_close(ln.detach().double(), w - lr * adam, rtol=1e-6, atol=1e-7)
+    w, g = before["mat"]
+    adam = g / (g.abs() + eps)
+    if name == "adamw":
+        expected = w * (1 - lr * wd) - lr * adam
+    else:
+        u = adam + wd * w
+        expected = w - lr * (w.norm() / u.norm()) * u
+    torch.testing.assert_close(mat.detach().double(), expected, rtol=1e-6, atol=1e-7)
+
+
+def nvidia_poly_warmup(step, warmup_steps, total_steps, degree=0.5):
+    """NVIDIA DeepLearningExamples' PolyWarmUpScheduler (PyTorch BERT), as a factor of the peak:
+    progress = step / total; linear warmup to progress = warmup, then (1 - progress) ** degree
+    over ALL steps (so the decay starts below the peak)."""
+    progress = step / total_steps
+    warmup = warmup_steps / total_steps
+    return progress / warmup if progress < warmup else (1 - progress) ** degree
+
+
+@pytest.mark.parametrize("max_steps,warmup_steps,at_warmup_end",
+                         [(7038, 2000, 0.846), (1563, 200, 0.934)])
+def test_decay_from_start_follows_nvidia_poly_warmup(max_steps, warmup_steps, at_warmup_end):
+    """Phase 1 (7,038 steps, 2,000 warmup) and phase 2 (1,563, 200): after warmup the factor is
+    NVIDIA's (1 - step / total) ** 0.5, 0.846x the peak at the end of phase 1's warmup."""
+    cfg = SchedulerConfig(name="polynomial", power=0.5, decay_from="start")
+    s = Schedule(cfg, max_steps=max_steps, warmup_steps=warmup_steps)
+    assert s.factor(warmup_steps - 1) == 1.0
+    assert s.factor(warmup_steps) == pytest.approx(at_warmup_end, abs=5e-4)
+    for step in range(warmup_steps, max_steps, 97):
+        assert s.factor(step) == pytest.approx(nvidia_poly_warmup(step, warmup_steps, max_steps),
+                                               rel=1e-12)
+    assert s.factor(max_steps) == 0.0
+    # The warmup-end decay (the default) restarts from the peak: 1.18x NVIDIA's rate in phase 1.
+    old = Schedule(SchedulerConfig(name="polynomial", power=0.5), max_steps, warmup_steps)
+    assert old.factor(warmup_steps) == 1.0
+    # Budget mode: the same curve over elapsed / budget.
+    b = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)
+    b.factor(0, 0.0)
+    assert b.factor(5, elapsed=36.0) == pytest.approx(0.8)
+
+
+def test_bert_base_experiments_use_nvidia_schedule():
+    from train_support import compose
+    for name, (steps, warmup) in {"bert_base_phase1": (7038, 2000),
+                                  "bert_base_phase2": (1563, 200)}.items():
+        cfg = compose([f"experiment={name}", "data.dir=x"])
+        sc = SchedulerConfig(**cfg.scheduler)
+        assert (sc.name, sc.power, sc.decay_from) == ("polynomial", 0.5, "start"), name
+        assert (cfg.trainer.max_steps, cfg.trainer.warmup_steps) == (steps, warmup)
+        assert cfg.optim.name == "lamb"
+
+
+def test_scheduler_config_rejects_unknown_decay_from():
+    with pytest.raises(ValueError, match="scheduler.decay_from"):
+        SchedulerConfig(decay_from="middle")

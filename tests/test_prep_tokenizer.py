@@ -29,13 +29,13 @@ TRICKY = [
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, prep_gutenberg_small):
+def trained(tmp_path_factory, prep_small):
     out = {}
     for lower in (True, False):
         d = str(tmp_path_factory.mktemp("prep_tok") / "tokenizer")
         pt = prepare_tokenizer(TokenizerConfig(vocab_size=3000, do_lower_case=lower),
                                lambda: _sentence_batches(TextCorpusConfig(
-                                   paths=[prep_gutenberg_small])), d, progress=False)
+                                   paths=[prep_small])), d, progress=False)
         out[lower] = (d, pt)
     return out
 
@@ -46,13 +46,13 @@ def _sample_lines(path, n=3000):
 
 
 @pytest.mark.parametrize("lower", [True, False])
-def test_transformers_loads_and_encodes_identically(trained, lower, prep_gutenberg_small):
+def test_transformers_loads_and_encodes_identically(trained, lower, prep_small):
     transformers = pytest.importorskip("transformers")
     d, pt = trained[lower]
     hf = transformers.BertTokenizerFast.from_pretrained(d)
     assert len(hf) == pt.vocab_size
     assert hf.cls_token_id == pt.special_ids["cls"] and hf.mask_token_id == pt.special_ids["mask"]
-    lines = _sample_lines(prep_gutenberg_small)
+    lines = _sample_lines(prep_small)
     ids, lens = CorpusEncoder(pt.tokenizer, pt.token_dtype).encode(lines)
     ours = np.split(ids.astype(np.int64), np.cumsum(lens)[:-1])
     for text, o in zip(lines, ours):
@@ -69,9 +69,9 @@ def test_transformers_loads_and_encodes_identically(trained, lower, prep_gutenbe
 
 
 @pytest.mark.parametrize("lower", [True, False])
-def test_cached_encoder_is_exact(trained, lower, prep_gutenberg_small):
+def test_cached_encoder_is_exact(trained, lower, prep_small):
     _, pt = trained[lower]
-    lines = _sample_lines(prep_gutenberg_small, 20000)
+    lines = _sample_lines(prep_small, 20000)
     enc = CorpusEncoder(pt.tokenizer, pt.token_dtype, max_cache=500)   # also exercises reset
     assert enc.cached
     got = [enc.encode(lines[i:i + 700]) for i in range(0, len(lines), 700)]
@@ -111,8 +111,8 @@ def test_bad_vocabularies(tmp_path):
         load_tokenizer(str(bpe))
 
 
-def test_trained_vocab_prep_end_to_end(prep_compose, prep_gutenberg_small, tmp_path):
-    m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_gutenberg_small}]",
+def test_trained_vocab_prep_end_to_end(prep_compose, prep_small, tmp_path):
+    m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_small}]",
                          f"output_dir={tmp_path}", "tokenizer.vocab_size=2000", "dupe_factor=1"))
     assert m["vocab_size"] == 2000 and m["token_dtype"] == "uint16"
     assert m["special_token_ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
@@ -166,15 +166,15 @@ def test_sentences_without_tokens_are_dropped_documents_kept(tmp_path, trained):
         assert store.doc_off.tolist() == [0, 2, 3, 4]
 
 
-def test_training_on_a_prefix(prep_compose, prep_gutenberg_small, tmp_path):
+def test_training_on_a_prefix(prep_compose, prep_small, tmp_path):
     from data_prep.tokenizer import _limited
     batches = iter([["a", "b", "c"], ["d", "e"], ["f"]])
     assert list(_limited(batches, 4)) == [["a", "b", "c"], ["d"]]
     full = prepare_tokenizer(TokenizerConfig(vocab_size=3000), lambda: _sentence_batches(
-        TextCorpusConfig(paths=[prep_gutenberg_small])), str(tmp_path / "a"), progress=False)
+        TextCorpusConfig(paths=[prep_small])), str(tmp_path / "a"), progress=False)
     prefix = prepare_tokenizer(TokenizerConfig(vocab_size=3000, max_training_sentences=300),
                                lambda: _sentence_batches(TextCorpusConfig(
-                                   paths=[prep_gutenberg_small])), str(tmp_path / "b"),
+                                   paths=[prep_small])), str(tmp_path / "b"),
                                progress=False)
     assert prefix.vocab_size < full.vocab_size      # 300 sentences cannot fill 3,000 entries
 
@@ -211,3 +211,73 @@ def test_a_second_host_uses_the_tokenizer_saved_first(trained, tmp_path):
     mine = _finish(*load_tokenizer(str(other)))
     assert save_tokenizer(mine, str(shared), replace=False) is False
     assert (shared / "vocab.txt").read_text(encoding="utf-8").count("\n") == pt.vocab_size
+
+
+_NORMALISER_TEXTS = ["Café naïve résumé déjà", "CAFÉ Naïve cafe naive", "中文字符 and 日本語",
+                     "Ünïcödé ñ ç ø", "plain ascii words"]
+
+
+def _small_vocab():
+    chars = sorted(set("".join(_NORMALISER_TEXTS) + "".join(_NORMALISER_TEXTS).lower()
+                       + "abcdefghijklmnopqrstuvwxyz") - {" "})
+    words = ["café", "naïve", "résumé", "déjà", "cafe", "naive", "resume", "deja", "plain",
+             "ascii", "words", "and", "中文字符", "日本語", "Café", "CAFÉ", "Naïve"]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words + chars + ["##" + c for c in chars]
+    return {t: i for i, t in enumerate(dict.fromkeys(vocab))}
+
+
+@pytest.mark.parametrize("settings", [
+    dict(lowercase=True, strip_accents=False, handle_chinese_chars=True),
+    dict(lowercase=True, strip_accents=None, handle_chinese_chars=True),
+    dict(lowercase=False, strip_accents=None, handle_chinese_chars=True),
+    dict(lowercase=False, strip_accents=True, handle_chinese_chars=False),
+    dict(lowercase=True, strip_accents=True, handle_chinese_chars=False),
+], ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_reused_tokenizer_json_round_trips_accents_and_cjk(tmp_path, settings, capsys):
+    """A reused tokenizer.json's normaliser settings reach tokenizer_config.json, so that
+    transformers' BertTokenizerFast (which rebuilds its normaliser from that file) encodes
+    exactly like the tokenizer that wrote the data: accents kept or stripped, CJK split or not,
+    case kept or lowered."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import BertWordPieceTokenizer
+    src = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(_small_vocab(), clean_text=True, **settings)._tokenizer.save(str(src))
+    out = tmp_path / "out"
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src),
+                                           do_lower_case=settings["lowercase"]),
+                           None, str(out), progress=False)
+    assert capsys.readouterr().err == ""          # do_lower_case agrees: no warning
+    hf = transformers.BertTokenizerFast.from_pretrained(str(out))
+    ours = pt.tokenizer.encode_batch(_NORMALISER_TEXTS, add_special_tokens=False)
+    for text, enc in zip(_NORMALISER_TEXTS, ours):
+        assert hf(text, add_special_tokens=False)["input_ids"] == enc.ids, text
+    unk = pt.special_ids["unk"]
+    if settings["strip_accents"] is False:        # the accented words are in the vocab
+        assert unk not in ours[0].ids
+    cfg = json.load(open(out / "tokenizer_config.json"))
+    assert cfg["do_lower_case"] is settings["lowercase"]
+    assert cfg["tokenize_chinese_chars"] is settings["handle_chinese_chars"]
+
+
+def test_vocab_txt_cased_round_trips_accents_and_cjk(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("".join(t + "\n" for t in _small_vocab()), encoding="utf-8")
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(vocab), do_lower_case=False), None,
+                           str(tmp_path / "out"), progress=False)
+    hf = transformers.BertTokenizerFast.from_pretrained(str(tmp_path / "out"))
+    for text, enc in zip(_NORMALISER_TEXTS,
+                         pt.tokenizer.encode_batch(_NORMALISER_TEXTS, add_special_tokens=False)):
+        assert hf(text, add_special_tokens=False)["input_ids"] == enc.ids, text
+    assert hf.tokenize("Café") == ["Café"]         # cased: neither lowered nor stripped
+
+
+def test_do_lower_case_that_disagrees_with_a_tokenizer_json_is_reported(tmp_path, capsys):
+    from tokenizers import BertWordPieceTokenizer
+    src = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(_small_vocab(), lowercase=False)._tokenizer.save(str(src))
+    pt = prepare_tokenizer(TokenizerConfig(vocab_file=str(src), do_lower_case=True), None,
+                           str(tmp_path / "out"), progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.do_lower_case=true is ignored" in err[0], err
+    assert "tokenizer.json" in err[0] and not pt.do_lower_case

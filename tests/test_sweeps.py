@@ -160,7 +160,7 @@ def test_summary_command_line(grid_sweep: Path) -> None:
 
 
 # --------------------------------------------------------------------------- real Hydra multiruns
-# A toy task function with the callback wired exactly as conf/train.yaml wires it: exercises
+# A toy task function with the callback wired exactly as conf/train/train.yaml wires it: exercises
 # Hydra's basic sweeper and the Optuna sweeper without training anything.
 
 TOY_APP = '''
@@ -335,8 +335,8 @@ def test_optuna_search_3_trials_bert_train(prepared, tmp_path):
 
 # --------------------------------------------------------------------------- sweep configs
 
-SEARCHES = sorted(p.stem for p in (REPO / "conf" / "hparams_search").glob("*.yaml"))
-LAUNCHERS = sorted(p.stem for p in (REPO / "conf" / "hydra" / "launcher").glob("*.yaml"))
+SEARCHES = sorted(p.stem for p in (REPO / "conf" / "train" / "hparams_search").glob("*.yaml"))
+LAUNCHERS = sorted(p.stem for p in (REPO / "conf" / "train" / "hydra" / "launcher").glob("*.yaml"))
 
 
 def compose_train(overrides: list[str]):
@@ -345,7 +345,7 @@ def compose_train(overrides: list[str]):
     from bert_pretrain.config import register
 
     register()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(REPO / "conf" / "train"), version_base="1.3"):
         return compose(config_name="train", overrides=overrides, return_hydra_config=True)
 
 

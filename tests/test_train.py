@@ -37,7 +37,7 @@ def synthetic(tmp_path_factory):
     return write_prepared(str(tmp_path_factory.mktemp("prep")), num_train=48, num_valid=8)
 
 
-def test_end_to_end_on_real_bert_prep_output_learns(tmp_path, real_prep):
+def test_end_to_end_on_real_bert_prep_output(tmp_path, real_prep):
     run = str(tmp_path / "run")
     r = run_bert_train(["experiment=smoke", f"data.dir={real_prep}", f"run_dir={run}",
                         "trainer.max_steps=40", "trainer.warmup_steps=4", "optim.lr=3e-3",
@@ -58,7 +58,8 @@ def test_end_to_end_on_real_bert_prep_output_learns(tmp_path, real_prep):
     assert [x["step"] for x in train] == list(range(5, 41, 5))
     assert all(TRAIN_KEYS <= set(x) for x in train)
     assert [x["step"] for x in evals] == [20, 40] and all(EVAL_KEYS <= set(x) for x in evals)
-    # it learns: the MLM loss falls well below its initial value (ln 2000 = 7.6)
+    # The loss falls (ln 2000 = 7.6 at the start).  That only shows the updates reach the model:
+    # word frequencies alone lower it; tests/test_learning.py checks learning from context.
     assert train[-1]["mlm_loss"] < train[0]["mlm_loss"] - 0.5
     assert evals[-1]["eval_mlm_loss"] < 7.0
     state = json.load(open(os.path.join(final, "trainer_state.json")))

@@ -83,11 +83,99 @@ def write_prepared(root: str, num_train: int = 96, num_valid: int = 24, seq: int
     return root
 
 
+def _save_split(root, split, arrays, shards=2):
+    n = len(arrays["lengths"])
+    cut = np.linspace(0, n, shards + 1).astype(int)
+    infos = []
+    for si in range(shards):
+        path = f"{split}/shard-{si:05d}"
+        os.makedirs(os.path.join(root, path), exist_ok=True)
+        for name, arr in arrays.items():
+            np.save(os.path.join(root, path, name + ".npy"), arr[cut[si]:cut[si + 1]])
+        infos.append({"path": path, "num_instances": int(cut[si + 1] - cut[si])})
+    return {"num_instances": n, "shards": infos}
+
+
+def write_context_prepared(root: str, num_train: int = 4096, num_valid: int = 512,
+                           seq: int = 24, num_words: int = 30, seed: int = 0) -> str:
+    """Prepared data (docs/prepared-format.md) where only the context tells the masked token.
+
+    Tokens are w0..w{num_words-1}; segment A counts up from a random word (w7 w8 w9 ...,
+    wrapping round), so every word is equally frequent (a model that ignores the context, i.e.
+    learns only frequencies, is right 1 time in num_words) while a masked word is its left
+    neighbour + 1.  NSP: an IsNext segment B (label 0) keeps counting where A stopped; a random B
+    (label 1) counts up from a random other word, so the label is learnable from the junction.
+    Static masks with BERT's rules: ~15% of the words, 80% [MASK] / 10% random / 10% kept."""
+    rng = np.random.default_rng(seed)
+    vocab = SPECIALS + [f"w{i}" for i in range(num_words)]
+    os.makedirs(os.path.join(root, "tokenizer"), exist_ok=True)
+    with open(os.path.join(root, "tokenizer", "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    max_pred = max(1, int(round(seq * 0.15)))
+    w0 = len(SPECIALS)
+    splits = {}
+    for split, n in (("train", num_train), ("validation", num_valid)):
+        a = {"input_ids": np.zeros((n, seq), np.uint16), "lengths": np.zeros(n, np.uint16),
+             "segment_a_lengths": np.zeros(n, np.uint16),
+             "masked_positions": np.zeros((n, max_pred), np.uint16),
+             "masked_labels": np.zeros((n, max_pred), np.uint16),
+             "next_sentence_labels": rng.integers(0, 2, n).astype(np.uint8)}
+        for i in range(n):
+            la = int(rng.integers(4, (seq - 3) // 2 + 1))
+            lb = int(rng.integers(4, seq - 3 - la + 1))
+            start_a = int(rng.integers(num_words))
+            start_b = start_a + la
+            if a["next_sentence_labels"][i]:
+                start_b += int(rng.integers(1, num_words))      # anywhere but the next word
+            words_a = w0 + (start_a + np.arange(la)) % num_words
+            words_b = w0 + (start_b + np.arange(lb)) % num_words
+            toks = np.concatenate([[2], words_a, [3], words_b, [3]])
+            length = len(toks)
+            cand = np.flatnonzero(toks >= w0)
+            k = min(max_pred, max(1, int(round(length * 0.15))))
+            chosen = np.sort(rng.choice(cand, size=k, replace=False))
+            orig = toks.copy()
+            for j in chosen:
+                r = rng.random()
+                if r < 0.8:
+                    toks[j] = 4
+                elif r >= 0.9:
+                    toks[j] = rng.integers(w0, len(vocab))
+            a["input_ids"][i, :length] = toks
+            a["lengths"][i], a["segment_a_lengths"][i] = length, la + 2
+            a["masked_positions"][i, :k], a["masked_labels"][i, :k] = chosen, orig[chosen]
+        splits[split] = _save_split(root, split, a)
+    manifest = {
+        "format_version": 1, "complete": True, "max_seq_length": seq,
+        "max_predictions_per_seq": max_pred, "vocab_size": len(vocab), "token_dtype": "uint16",
+        "special_token_ids": {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4},
+        "tokenizer": {"path": "tokenizer",
+                      "sha256": hashlib.sha256("\n".join(vocab).encode()).hexdigest(),
+                      "do_lower_case": True},
+        "splits": splits,
+        "masking": {"masked_lm_prob": 0.15, "whole_word_mask": False,
+                    "max_predictions_per_seq": max_pred},
+        "seed": seed,
+    }
+    with open(os.path.join(root, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    return root
+
+
 def run_bert_train(args, cwd, env=None, timeout=600):
     """bert-train in a subprocess (the real entry point: Hydra, exit codes, stderr)."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *_no_report(args)],
+                          cwd=cwd,
                           env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _no_report(overrides) -> list:
+    """Tests skip the end-of-run pictures (seconds of matplotlib per run) unless they ask."""
+    overrides = list(overrides)
+    if not any(o.startswith("trainer.report=") for o in overrides):
+        overrides.append("trainer.report=false")
+    return overrides
 
 
 def read_metrics(run_dir: str) -> list:
@@ -103,7 +191,7 @@ def compose(overrides):
     from bert_pretrain.config import register
 
     register()
-    with initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf", "train"), version_base="1.3"):
         return hydra_compose(config_name="train", overrides=list(overrides))
 
 
@@ -114,6 +202,6 @@ def train_in_process(overrides) -> float:
     from bert_pretrain.config import settings
     from bert_pretrain.trainer import train
 
-    cfg = compose(overrides)
+    cfg = compose(_no_report(overrides))
     return train(settings(cfg), OmegaConf.to_container(cfg, resolve=True),
                  OmegaConf.to_yaml(cfg, resolve=True))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import BertConfig, ModelImpl
-from .encoder import BertEmbeddings, BertEncoder, BertPooler
+from .encoder import UNUSED_POSITION_KEY, BertEmbeddings, BertEncoder, BertPooler
 from .heads import BertLMPredictionHead, BertPreTrainingHeads
 from .layout import QuerySubset, TokenLayout
 
@@ -22,8 +22,10 @@ class PreTrainingOutput:
     loss: torch.Tensor | None = None
     """mlm_loss + nsp_loss (those that were given labels); None without labels."""
     mlm_loss: torch.Tensor | None = None
-    """Mean cross-entropy over the labelled positions (labels != -100)."""
+    """Cross-entropy over the labelled positions (labels != -100): their mean, or their sum
+    with `loss_reduction="sum"`."""
     nsp_loss: torch.Tensor | None = None
+    """Cross-entropy over the sequences: mean, or sum with `loss_reduction="sum"`."""
     prediction_logits: torch.Tensor | None = None
     """[B, L, V]; with `impl.sparse_prediction` and labels: [M, V] for the M labelled
     positions, in row-major (batch, position) order, aligned with `mlm_labels`. Dense logits at
@@ -114,11 +116,29 @@ class BertForPreTraining(nn.Module):
             if module is not self.cls.predictions.decoder:
                 init_bert_weights(module, config.initializer_range)
 
+    def hf_state_dict(self) -> dict:
+        """The state dict with transformers' key set.  For relative position types
+        transformers 4.x also holds `bert.embeddings.position_embeddings.weight`, a table it
+        creates and never reads (ours has no such parameter: DDP refuses unused ones); it is
+        added as zeros.  load_state_dict accepts either form."""
+        state = self.state_dict()
+        if self.config.position_embedding_type != "absolute":
+            ref = self.bert.embeddings.word_embeddings.weight
+            state["bert.embeddings." + UNUSED_POSITION_KEY] = torch.zeros(
+                self.config.max_position_embeddings, self.config.hidden_size, dtype=ref.dtype,
+                device=ref.device)
+        return state
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 next_sentence_label: torch.Tensor | None = None,
                 output_attentions: bool = False,
-                output_hidden_states: bool = False) -> PreTrainingOutput:
+                output_hidden_states: bool = False,
+                loss_reduction: str = "mean") -> PreTrainingOutput:
+        """`loss_reduction="sum"` returns summed token / sequence losses, so that a trainer can
+        normalise by the counts of a whole global batch rather than of this micro-batch."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
         if sparse and self.impl.sparse_last_layer:
@@ -145,13 +165,15 @@ class BertForPreTraining(nn.Module):
         mlm_loss = nsp_loss = loss = None
         if labels is not None:
             if sparse:
-                mlm_loss = F.cross_entropy(logits.float(), mlm_labels)
+                mlm_loss = F.cross_entropy(logits.float(), mlm_labels, reduction=loss_reduction)
             else:
                 mlm_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                           labels.reshape(-1), ignore_index=IGNORE_INDEX)
+                                           labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                                           reduction=loss_reduction)
             loss = mlm_loss
         if next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1))
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1),
+                                       reduction=loss_reduction)
             loss = nsp_loss if loss is None else loss + nsp_loss
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
                                  enc.hidden_states, enc.attentions)

@@ -29,6 +29,14 @@ def activation(name: str):
     raise ValueError(f"unknown activation {name!r}")  # BertConfig validates first
 
 
+UNUSED_POSITION_KEY = "position_embeddings.weight"
+
+
+def _drop_unused_position_table(state_dict, prefix, *args) -> None:
+    """Relative-position models: transformers' (and older checkpoints') unused absolute table."""
+    state_dict.pop(prefix + UNUSED_POSITION_KEY, None)
+
+
 class BertEmbeddings(nn.Module):
     """word + position (absolute only) + token type, then LayerNorm and dropout."""
 
@@ -36,13 +44,20 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                             padding_idx=config.pad_token_id)
-        # Kept for relative position types too (unused there), as transformers 4.x did, so that
-        # the state dict has the same keys whatever the position type.
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.absolute = config.position_embedding_type == "absolute"
+        if self.absolute:
+            # Only absolute positions have a table here.  transformers 4.x also creates it for
+            # relative types and never reads it; a parameter outside the forward pass stops DDP
+            # ("Expected to have finished reduction in the prior iteration"), so ours has none:
+            # BertForPreTraining.hf_state_dict() adds the key for transformers, and loading a
+            # state dict that has it drops it (below).
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
+                                                    config.hidden_size)
+        else:
+            self._register_load_state_dict_pre_hook(_drop_unused_position_table)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = Dropout(config.hidden_dropout_prob, impl.fast_dropout)
-        self.absolute = config.position_embedding_type == "absolute"
         self.max_position_embeddings = config.max_position_embeddings
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None,

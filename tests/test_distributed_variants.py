@@ -1,0 +1,35 @@
+"""Model variants under 2 processes launched the way users launch them (accelerate, gloo on
+CPU): relative position embeddings and pre-LN.  DDP needs every parameter to take part in the
+forward pass (an unused one stops the second step with "Expected to have finished reduction in
+the prior iteration"), and the 2-process run must equal 1 process with 2 accumulation steps."""
+from __future__ import annotations
+
+import pytest
+
+from test_distributed import (assert_same_trajectory, train_1proc, train_accelerate,
+                              train_records, write_prepared)
+
+pytestmark = pytest.mark.slow      # two launches per variant: ~30 s each on a shared CPU
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> str:
+    return write_prepared(str(tmp_path_factory.mktemp("prepared") / "data"), num_train=40)
+
+
+@pytest.mark.parametrize("variant", [
+    ["model.position_embedding_type=relative_key"],
+    ["model.pre_layer_norm=true"],
+], ids=["relative_key", "pre_ln"])
+def test_two_processes_equal_one_process_with_accumulation(prepared, tmp_path, variant):
+    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
+    train_1proc(f"data.dir={prepared}", f"run_dir={one_dir}", "trainer.micro_batch_size=4",
+                *variant)
+    r = train_accelerate(2, f"data.dir={prepared}", f"run_dir={two_dir}", *variant)
+    assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in r.stdout, r.stdout
+    assert r.stdout.count("bert-train: finished at step 6") == 1
+    one, two = train_records(one_dir), train_records(two_dir)
+    assert sorted(two) == list(range(1, 7))
+    assert_same_trajectory(one, two, range(1, 7))
+    assert [two[s]["tokens_seen"] for s in range(1, 7)] == [one[s]["tokens_seen"]
+                                                             for s in range(1, 7)]

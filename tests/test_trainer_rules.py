@@ -1,0 +1,260 @@
+"""The trainer's rules: what a resume may change (and says), non-finite steps, the model's
+[PAD] id, data without a held-out split, warmup defaults, what a run prints and logs, and what a
+failed run leaves behind."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from bert_pretrain.errors import ConfigError, DataError
+from bert_pretrain.trainer import TrainerConfig
+from train_support import read_metrics, run_bert_train, train_in_process, write_prepared
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return write_prepared(str(tmp_path_factory.mktemp("prep")), num_train=48, num_valid=8)
+
+
+def base(data, run_dir, *extra):
+    return ["experiment=smoke", f"data.dir={data}", f"run_dir={run_dir}", "trainer.eval_every=0",
+            *extra]
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_unchanged_resume_warns_nothing_and_a_changed_one_names_each_change(
+        tmp_path, synthetic, capsys):
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=4", "trainer.checkpoint_every=2"))
+    capsys.readouterr()
+    train_in_process(base(synthetic, run, "trainer.max_steps=4", "trainer.checkpoint_every=2",
+                          "resume=auto"))
+    out = capsys.readouterr()
+    assert "warning" not in out.err + out.out
+    # Resume from step 2 with a longer schedule and another peak lr.
+    os.rename(run / "checkpoints" / "step-00000004", tmp_path / "moved")
+    train_in_process(base(synthetic, run, "trainer.max_steps=40", "trainer.checkpoint_every=2",
+                          "optim.lr=2e-3", "resume=auto"))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "warning" in ln]
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert "resuming" in line and "step-00000002" in line
+    assert "optim.lr 0.001 -> 0.002" in line and "trainer.max_steps 4 -> 40" in line
+    # smoke: warmup 2, linear decay over 4 steps: at step 2 the old lr is 1e-3 x (1 - 0/2)
+    assert "learning rate at step 2: 0.001 -> 0.002" in line
+    # ... and the warning is in the run's log as well
+    assert "trainer.max_steps 4 -> 40" in (run / "train.log").read_text()
+
+
+def test_resume_applies_the_new_optimizer_settings(tmp_path, synthetic):
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=3"))
+    train_in_process(base(synthetic, run, "trainer.max_steps=4", "resume=auto",
+                          "optim.weight_decay=0.2", "optim.betas=[0.8,0.95]", "optim.eps=1e-8"))
+    groups = torch.load(run / "checkpoints" / "step-00000004" / "optimizer.pt",
+                        weights_only=True)["param_groups"]
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.2 and no_decay["weight_decay"] == 0.0
+    assert tuple(decay["betas"]) == (0.8, 0.95) and decay["eps"] == 1e-8
+    saved = (run / "checkpoints" / "step-00000004" / "config.yaml").read_text()
+    assert "weight_decay: 0.2" in saved  # the saved config is what ran
+
+
+def test_resume_with_another_seed_is_refused(tmp_path, synthetic):
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=3"))
+    with pytest.raises(ConfigError, match="seed=7 but .* seed=1234: a new seed re-orders"):
+        train_in_process(base(synthetic, run, "trainer.max_steps=4", "resume=auto", "seed=7"))
+
+
+def test_resuming_a_finished_run_says_so(tmp_path, synthetic, capsys):
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=3"))
+    capsys.readouterr()
+    train_in_process(base(synthetic, run, "trainer.max_steps=3", "resume=auto"))
+    assert "already finished at step 3 (resumed a finished run" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class _NaNGrad(torch.autograd.Function):
+    """Identity forward (the loss stays finite), NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def test_finite_loss_with_nan_gradients_is_skipped_and_never_saved(tmp_path, synthetic,
+                                                                   monkeypatch):
+    from safetensors.torch import load_file
+
+    from bert_pretrain.model import BertForPreTraining
+
+    original, calls = BertForPreTraining.forward, {"n": 0}
+
+    def poisoned(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second training step (one micro-batch per step)
+                out.mlm_loss = _NaNGrad.apply(out.mlm_loss)
+        return out
+
+    monkeypatch.setattr(BertForPreTraining, "forward", poisoned)
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=4", "trainer.checkpoint_every=1",
+                          "trainer.keep_last_k=10", "trainer.max_grad_norm=null"))
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert records[1]["loss"] is None and records[1]["nonfinite_steps"] == 1
+    assert records[2]["loss"] is not None and "nonfinite_steps" not in records[2]
+    saved = sorted(os.listdir(run / "checkpoints"))
+    assert saved == ["step-00000001", "step-00000003", "step-00000004"]  # not the skipped one
+    for name in saved:
+        weights = load_file(str(run / "checkpoints" / name / "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values()), name
+
+
+def test_accelerates_own_gradient_accumulation_is_refused(tmp_path, synthetic, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
+    with pytest.raises(ConfigError, match="accelerate's gradient accumulation is set to 4.*"
+                                          "trainer.micro_batch_size"):
+        train_in_process(base(synthetic, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- data
+
+
+def test_pad_id_comes_from_the_data(tmp_path):
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=4)
+    manifest = json.loads(open(os.path.join(data, "manifest.json")).read())
+    manifest["special_token_ids"].update(pad=1, unk=0)  # [PAD] is not token 0 here
+    open(os.path.join(data, "manifest.json"), "w").write(json.dumps(manifest))
+    run = tmp_path / "run"
+    train_in_process(base(data, run, "trainer.max_steps=1", "trainer.warmup_steps=0"))
+    state = json.loads((run / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["model_config"]["pad_token_id"] == 1
+    with pytest.raises(DataError, match=r"model.pad_token_id=0 but \[PAD\] is token 1"):
+        train_in_process(base(data, tmp_path / "other", "trainer.max_steps=1",
+                              "trainer.warmup_steps=0", "model.pad_token_id=0"))
+
+
+def test_data_without_a_held_out_split_trains_without_evaluation(tmp_path, capsys):
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=0)
+    run = tmp_path / "run"
+    result = train_in_process(base(data, run, "trainer.max_steps=3", "trainer.eval_every=1"))
+    out = capsys.readouterr().out
+    assert out.count("training without evaluation") == 1
+    assert result != result  # nan: there is no held-out loss
+    assert not [r for r in read_metrics(run) if "eval_mlm_loss" in r]
+
+
+# --------------------------------------------------------------------------- defaults, output
+
+
+def test_warmup_is_a_fraction_of_the_run_unless_set():
+    assert TrainerConfig(max_steps=20).warmup == 2
+    assert TrainerConfig(max_steps=1000).warmup == 100
+    assert TrainerConfig(max_steps=20, warmup_steps=5).warmup == 5
+    assert TrainerConfig(max_steps=1).warmup == 0  # any length works with the defaults
+    with pytest.raises(ValueError, match="set trainer.warmup_steps"):
+        TrainerConfig(budget_hours=1.0)
+    assert TrainerConfig(budget_hours=1.0, warmup_steps=10).warmup == 10
+
+
+def test_console_lines_and_train_log(tmp_path, synthetic):
+    run = tmp_path / "run"
+    r = run_bert_train(base(synthetic, run, "trainer.max_steps=4", "trainer.eval_every=2",
+                            "trainer.warmup_steps=null", "trainer.report=true"),
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr[-2000:]
+    evals = [ln for ln in r.stdout.splitlines() if "held-out MLM loss" in ln]
+    assert len(evals) == 1 and evals[0].startswith("bert-train: step 2: held-out MLM loss ")
+    assert "warmup 0 steps" in r.stdout  # 10% of 4 steps, rounded
+    log = (run / "train.log").read_text()
+    for line in r.stdout.splitlines():
+        if line.startswith(("bert-train:", "  checkpoint:", "  metrics:")):
+            assert line in log, line
+    # bert-train draws the run's report at the end
+    assert f"  report:     {run / 'report' / 'report.md'}" in r.stdout
+    assert (run / "report" / "report.md").is_file()
+
+
+def test_a_run_that_fails_at_setup_leaves_no_directory(tmp_path, synthetic):
+    run = tmp_path / "runs" / "bad"
+    r = run_bert_train(base(synthetic, run, "model.num_attention_heads=3"), cwd=str(tmp_path))
+    assert r.returncode == 2 and "divisible" in r.stderr
+    assert not run.exists()
+
+
+def test_the_step_and_evaluation_hooks_reproduce_fit(tmp_path, synthetic):
+    """Benchmarks and the GPU work drive `Trainer.train_step` / `run_evaluation` themselves:
+    the same steps by hand give the losses fit() logs."""
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import settings
+    from bert_pretrain.trainer import Trainer
+    from train_support import compose
+
+    overrides = base(synthetic, tmp_path / "fit", "trainer.max_steps=3")
+    train_in_process(overrides)
+    logged = [r for r in read_metrics(tmp_path / "fit") if "loss" in r]
+    evaluated = [r for r in read_metrics(tmp_path / "fit") if "eval_mlm_loss" in r][-1]
+
+    cfg = compose(base(synthetic, tmp_path / "hand", "trainer.max_steps=3"))
+    trainer = Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
+    try:
+        results = [trainer.train_step() for _ in range(3)]
+        by_hand = trainer.run_evaluation()
+    finally:
+        trainer.close()
+    assert [r.loss for r in results] == [r["loss"] for r in logged]
+    assert by_hand["eval_mlm_loss"] == evaluated["eval_mlm_loss"]
+
+
+def test_init_from_a_transformers_directory_continues_its_training(tmp_path, synthetic):
+    """trainer.init_from=<save_pretrained dir>: its config is the model, its weights the start;
+    the first step's loss is transformers' loss on the same batch."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from bert_pretrain.data import DataConfig, PreparedData, TrainStream
+
+    hf_cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    reference = transformers.BertForPreTraining(hf_cfg).eval()
+    source = tmp_path / "hf"
+    reference.save_pretrained(source)
+    shutil.copy(os.path.join(synthetic, "tokenizer", "vocab.txt"), source / "vocab.txt")
+
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, f"trainer.init_from={source}", "trainer.max_steps=3",
+                          "model.hidden_size=128", "trainer.micro_batch_size=8"))
+    first = [r for r in read_metrics(run) if "loss" in r][0]
+    batch = TrainStream(PreparedData(synthetic), DataConfig(dir=synthetic), 1234, 8, 8, 1,
+                        0).next_step()[0]
+    with torch.no_grad():
+        expected = reference(**{k: v for k, v in batch.items() if k != "num_tokens"}).loss
+    assert first["loss"] == pytest.approx(expected.item(), abs=1e-5)
+    state = json.loads((run / "checkpoints" / "step-00000003" / "trainer_state.json")
+                       .read_text())
+    assert state["model_config"]["hidden_size"] == 32  # the directory's, not model.*'s
+
+    # A vocabulary that is not the data's is refused in one line naming the fix.
+    (source / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(64)) + "\n")
+    with pytest.raises(DataError, match="vocabulary differs .* bert-prep tokenizer.vocab_file="):
+        train_in_process(base(synthetic, tmp_path / "other", f"trainer.init_from={source}"))
