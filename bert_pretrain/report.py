@@ -117,12 +117,16 @@ def read_run(run_dir: str) -> Run:
     records = _read_jsonl(metrics)
     if not records:
         raise UserError(f"{metrics} has no records yet: let the run log at least one step")
-    checkpoint = ckpt.latest_checkpoint(run_dir)
+    # The newest checkpoint's saved settings, read without verifying its weights (a report
+    # reads no tensor; checking a large checkpoint's checksums would take longer than the rest).
+    found = ckpt.list_checkpoints(run_dir)
+    checkpoint = found[-1][1] if found else None
     model_config = {}
     if checkpoint:
         try:
-            model_config = ckpt.read_train_state(checkpoint).get("model_config", {})
-        except UserError:
+            with open(os.path.join(checkpoint, ckpt.STATE_JSON), encoding="utf-8") as f:
+                model_config = json.load(f).get("model_config", {})
+        except (OSError, ValueError):
             pass
     config = _read_config(run_dir, checkpoint)
     name = config.get("name") or os.path.basename(os.path.normpath(run_dir))

@@ -2,6 +2,7 @@
 BertForMaskedLM, AutoModel, AutoModelForSequenceClassification and AutoTokenizer) and computes
 the same logits as our model; models it cannot represent are refused in one line."""
 
+import json
 import os
 import stat
 import subprocess
@@ -14,6 +15,7 @@ from bert_pretrain import checkpoint as ckpt
 from bert_pretrain import export as export_mod
 from bert_pretrain.errors import UserError
 from bert_pretrain.export import export
+from bert_pretrain.hf_import import read_hf_model
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO, train_in_process, write_prepared
 
@@ -138,16 +140,12 @@ def test_export_cli_and_errors(run, tmp_path):
 
 
 def _fake_checkpoint(root, **model):
-    """A checkpoint of a model variant, written the way bert-train writes one."""
+    """A checkpoint of a model variant, written by the checkpoint writer bert-train uses."""
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=32, **model)
-    path = os.path.join(root, "checkpoints", "step-00000001")
-    os.makedirs(path)
-    from safetensors.torch import save_model
-    save_model(BertForPreTraining(config), os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, ckpt.STATE_JSON), "w") as f:
-        import json
-        json.dump({"step": 1, "model_config": config.to_dict()}, f)
+    ckpt.save_checkpoint(root, 1, model=BertForPreTraining(config), optimizer_state={},
+                         extra_state={}, train_state={"model_config": config.to_dict()},
+                         config_yaml="", tokenizer_dir=None, keep_last_k=1)
     return root
 
 
@@ -163,14 +161,16 @@ def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
     # transformers 4.x computes relative positions: exported, position type kept in config.json
     monkeypatch.setattr(export_mod, "_installed_transformers_major", lambda: 4)
     export(relative, str(tmp_path / "o3"))
-    import json
     with open(tmp_path / "o3" / "config.json") as f:
         assert json.load(f)["position_embedding_type"] == "relative_key"
+    # ... and it comes back (bert-predict, trainer.init_from) as the relative-position model
+    config, state = read_hf_model(str(tmp_path / "o3"))
+    model = BertForPreTraining(BertConfig.from_dict(config))
+    model.load_state_dict(state, strict=True)
+    assert model.config.position_embedding_type == "relative_key"
 
 
 def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
-    from bert_pretrain.hf_import import read_hf_model
-
     out = str(tmp_path / "rt")
     used = export(run, out)
     config, state = read_hf_model(out)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bert_pretrain.report import (BASELINE_KEY, count_parameters, main, read_run, report,
+from bert_pretrain.report import (BASELINE_KEY, count_parameters, main, read_run,
                                   write_run_report)
 from bert_pretrain.trainer import majority_baseline
 from bert_pretrain.data import PreparedData

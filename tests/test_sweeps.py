@@ -437,10 +437,10 @@ def test_optuna_wall_clock_budget_search_bert_train(prepared, tmp_path):
 
 
 def test_summary_help_names_the_real_sweep_layout(capsys) -> None:
-    """The --help example is the layout conf/train.yaml's hydra.sweep.dir produces."""
+    """The --help example is the layout conf/train/train.yaml's hydra.sweep.dir produces."""
     from omegaconf import OmegaConf
 
-    train_yaml = OmegaConf.load(Path(ss.__file__).parents[1] / "conf" / "train.yaml")
+    train_yaml = OmegaConf.load(Path(ss.__file__).parents[1] / "conf" / "train" / "train.yaml")
     assert OmegaConf.to_container(train_yaml)["hydra"]["sweep"]["dir"] == \
         "multirun/${name}/${now:%Y-%m-%d_%H-%M-%S}"
     with pytest.raises(SystemExit):
