@@ -72,7 +72,7 @@ def export(source: str, out_dir: str) -> str:
     hf_config = config.to_hf_dict()
     model = BertForPreTraining(config)
     ckpt.load_weights(checkpoint_dir, model)
-    tensors = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()
+    tensors = {k: v.detach().contiguous().clone() for k, v in model.hf_state_dict().items()
                if k not in TIED_KEYS}
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
