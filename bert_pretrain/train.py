@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .cli_errors import fail, precheck
+from .cli_errors import precheck
 from .config import register, settings
 from .errors import UserError
 
@@ -29,10 +29,26 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 
 
 def _fail(message: str) -> None:
-    if os.environ.get("RANK", "0") != "0":
-        # Launched processes all reach the same error: the main process says it once.
-        sys.exit(2)
-    fail("bert-train", message)
+    """One line, exit 2.  Under a launcher (torchrun / accelerate launch) only the main process
+    prints it: every rank usually hits the same error, and N copies of the line scrolled away
+    under the launcher's report helped nobody.  Every rank also leaves the message in torch
+    elastic's error file, so the launcher's summary (and `python -m bert_pretrain.launch`) shows
+    it when only another rank failed."""
+    main = os.environ.get("RANK", "0") == "0"
+    if main:  # first: an error file from rank 0 then means its line is on the screen
+        print(f"bert-train: error: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import json
+        import time
+
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": f"bert-train: error: {message}",
+                           "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+    sys.exit(2)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

@@ -1,0 +1,118 @@
+"""User errors stay one line (exit 2) under the launchers and with wandb.
+
+- `logger=wandb` online with no login: wandb's ~30-line UsageError traceback becomes one line
+  that says what to do.
+- Under `accelerate launch` every rank used to print the line, then torch elastic buried it
+  under ~35 lines (its shutdown log, the launcher's traceback, a ChildFailedError table) and
+  exited 1.  Now only the main process prints it; `python -m bert_pretrain.launch` (accelerate
+  launch's arguments) ends with that line alone and exit status 2.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_support import REPO, run_bert_train, write_prepared
+
+ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
+
+
+def _env(tmp_path, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+               TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+def test_wandb_online_without_login_is_one_line(tmp_path):
+    import subprocess
+
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    r = subprocess.run(
+        [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
+         f"run_dir={tmp_path / 'run'}", "logger=wandb", "logger.mode=online",
+         f"hydra.run.dir={tmp_path / 'hydra'}"],
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("bert-train: error: logger=wandb")
+    for advice in ("wandb login", "WANDB_API_KEY", "logger.mode=offline"):
+        assert advice in lines[0]
+
+
+def _launch(tmp_path, launcher, *overrides):
+    import subprocess
+
+    from test_distributed import free_port
+
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    return subprocess.run(
+        [sys.executable, "-m", launcher, "--config_file", ACCELERATE_CONFIG,
+         "--main_process_port", str(free_port()), "-m", "bert_pretrain.train",
+         "experiment=smoke", f"data.dir={data}", f"run_dir={tmp_path / 'run'}",
+         f"hydra.run.dir={tmp_path / 'hydra'}", *overrides],
+        cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+
+
+BAD = "resume=" + "/nonexistent/step-00000001"
+
+
+@pytest.mark.slow
+def test_bert_launch_user_error_is_one_line_exit_2(tmp_path):
+    r = _launch(tmp_path, "bert_pretrain.launch", BAD)
+    out = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert out == [f"bert-train: error: {BAD}: no such checkpoint directory; use resume=auto "
+                   f"or a <run_dir>/checkpoints/step-XXXXXXXX path"], out
+
+
+@pytest.mark.slow
+def test_plain_accelerate_launch_prints_the_error_once_and_fails(tmp_path):
+    r = _launch(tmp_path, "accelerate.commands.launch", BAD)
+    printed = [ln for ln in r.stderr.splitlines() if ln.startswith("bert-train: error:")]
+    assert r.returncode != 0
+    assert len(printed) == 1, r.stderr  # main process only (it was once per process)
+    # the launcher's summary names the error too (from torch elastic's error file)
+    assert f"traceback : bert-train: error: {BAD}" in r.stderr
+
+
+def _failure(tmp_path, rank, exitcode, message=None):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = str(tmp_path / f"error{rank}.json")
+    if message:
+        Path(error_file).write_text(json.dumps({"message": message, "timestamp": 100 + rank}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode,
+                          error_file=error_file)
+
+
+def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from bert_pretrain.launch import _report
+
+    line = "bert-train: error: cannot read data shard on this node"
+    exc = ChildFailedError("bert_pretrain.train", {1: _failure(tmp_path, 1, 2, line),
+                                                   0: _failure(tmp_path, 0, -15)})
+    assert _report(exc) == 2
+    assert capsys.readouterr().err.strip() == line  # rank 0 never printed it: we do
+    exc = ChildFailedError("bert_pretrain.train", {0: _failure(tmp_path, 0, 2, line),
+                                                   1: _failure(tmp_path, 1, 2, line)})
+    assert _report(exc) == 2
+    assert capsys.readouterr().err == ""  # rank 0 printed it already
+
+
+def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from bert_pretrain.launch import _report
+
+    assert _report(ChildFailedError("t", {1: _failure(tmp_path, 1, -9)})) == 1
+    assert capsys.readouterr().err.strip() == \
+        "bert-launch: error: rank 1 was killed by signal SIGKILL (Signal 9 (SIGKILL) received " \
+        "by PID 1001)"
+    assert _report(ChildFailedError("t", {0: _failure(tmp_path, 0, 1)})) == 1
+    assert "rank 0 exited with status 1 (see its output above)" in capsys.readouterr().err
