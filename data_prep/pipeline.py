@@ -22,14 +22,16 @@ import numpy as np
 
 from data_prep import corpus as corpus_mod
 from data_prep.config import PrepConfig
-from data_prep.errors import PrepError
+from data_prep.errors import PrepError, PrepIOError, os_error
 from data_prep.instances import create_instances
 from data_prep.masking import MaskingTables, assemble, mask_rows
 from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
-from data_prep.shards import (is_done, read_stats, remove_stale_tmp, shard_path, shard_stats,
-                              stats_table, summarize, write_json_atomic, write_shard)
-from data_prep.token_store import TokenStore, is_complete, read_ranges, tokenize_corpus
+from data_prep.shards import (is_done, read_stats, remove_crash_leftovers, remove_stale_tmp,
+                              shard_path, shard_stats, stats_table, summarize, tmp_suffix,
+                              write_json_atomic, write_shard)
+from data_prep.token_store import TokenStore, is_complete, read_blocks, tokenize_corpus
 from data_prep.tokenizer import prepare_tokenizer
+from data_prep.workers import init_worker_process
 
 FORMAT_VERSION = 1
 
@@ -103,6 +105,7 @@ _W: dict = {}
 
 
 def _init_worker(ctx: dict) -> None:
+    init_worker_process()
     _W.clear()
     _W.update(ctx)
 
@@ -120,21 +123,14 @@ def _build_shard(task: tuple[str, int]) -> tuple[str, int, dict]:
 
 
 def _gather_tokens(tokens: np.ndarray, seg):
-    """The tokens a shard needs, in one buffer, with the segments re-based onto it: the span
-    of the unit's own text (A and actual-next B), then each random-next B, read with pread
-    (see token_store.read_ranges)."""
-    rand = seg.is_random_next
-    if len(seg.a_start) == 0:
-        return np.zeros(0, tokens.dtype), seg
-    local_s = np.concatenate([seg.a_start, seg.b_start[~rand]])
-    local_e = np.concatenate([seg.a_start + seg.a_len, (seg.b_start + seg.b_len)[~rand]])
-    lo, hi = int(local_s.min()), int(local_e.max())
-    own = np.asarray(tokens[lo:hi])
-    far = read_ranges(tokens, seg.b_start[rand], seg.b_len[rand])
-    b_start = seg.b_start - lo
-    b_start[rand] = len(own) + np.cumsum(seg.b_len[rand]) - seg.b_len[rand]
-    return (np.concatenate([own, far]),
-            dataclasses.replace(seg, a_start=seg.a_start - lo, b_start=b_start))
+    """The tokens a shard needs, in one buffer, with the segments re-based onto it.  Every
+    segment (A, actual-next B, random-next B) is read as a range of its own, neighbours
+    merged (token_store.read_blocks): the buffer is about the shard's own size whatever the
+    corpus size, even when the unit's documents lie far apart in the corpus."""
+    n = len(seg.a_start)
+    buf, pos = read_blocks(tokens, np.concatenate([seg.a_start, seg.b_start]),
+                           np.concatenate([seg.a_len, seg.b_len]))
+    return buf, dataclasses.replace(seg, a_start=pos[:n], b_start=pos[n:])
 
 
 def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, int, dict]:
@@ -165,19 +161,19 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
     from tqdm import tqdm
-    bar = tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress)
-    if num_proc == 1 or len(tasks) <= 1:
-        _init_worker(ctx)
-        for t in tasks:
-            _build_shard(t)
-            bar.update()
-    else:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        with mp.get_context(method).Pool(min(num_proc, len(tasks)), _init_worker,
-                                         (ctx,)) as pool:
-            for _ in pool.imap_unordered(_build_shard, tasks):
+    with tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress) as bar:
+        if num_proc == 1 or len(tasks) <= 1:
+            _W.clear()
+            _W.update(ctx)
+            for t in tasks:
+                _build_shard(t)
                 bar.update()
-    bar.close()
+        else:
+            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+            with mp.get_context(method).Pool(min(num_proc, len(tasks)), _init_worker,
+                                             (ctx,)) as pool:
+                for _ in pool.imap_unordered(_build_shard, tasks):
+                    bar.update()
 
 
 # ---- the pipeline ----------------------------------------------------------------------------
@@ -196,13 +192,20 @@ def run(cfg: PrepConfig) -> Optional[dict]:
     """Prepare `cfg.output_dir`.  Returns the manifest, or None when this host's part is done
     but other hosts' shards are still missing."""
     out = os.path.abspath(os.path.expanduser(cfg.output_dir))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PrepError(f"output_dir={cfg.output_dir!r} is an existing file, not a directory: "
+                        "choose a directory path (nothing was written)")
     created = not os.path.exists(out)
     try:
         return _run(cfg, out)
+    except PrepIOError:
+        raise         # disk full, permissions: what is done is kept for the re-run
     except PrepError:
         if created:   # a bad input found on the first run leaves nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
+    except OSError as e:   # a read or write of the output dir the steps did not name
+        raise os_error(e, f"output_dir={cfg.output_dir!r}") from None
 
 
 def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
@@ -214,6 +217,8 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
         ident["vocab_sha256"] = _file_hash(os.path.expanduser(cfg.tokenizer.vocab_file))
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     done = _prepare_output_dir(cfg, out, key)
+    for d in (out, work, *(os.path.join(out, s) for s in SPLITS)):
+        remove_crash_leftovers(d)     # temp files of a run killed mid-write (kill -9)
     if done is not None:
         columns = {s: done["splits"][s]["stats"] for s in SPLITS}
         print(stats_table({**columns, "all": done["stats"]}))
@@ -256,14 +261,18 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
                           cfg.dupe_factor, cfg.seed)
-        tmp = plan_dir + f".tmp-{os.getpid()}"
+        tmp = plan_dir + tmp_suffix()
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for p in plans.values():
-            p.save(tmp)
+        try:
+            os.makedirs(tmp)
+            for p in plans.values():
+                p.save(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise os_error(e, "writing the plan (.work/plan)") from None
         try:
             os.rename(tmp, plan_dir)
-        except OSError:
+        except OSError:   # another host saved the same plan first
             shutil.rmtree(tmp, ignore_errors=True)
     counts = {"num_documents": store.num_documents, "num_sentences": store.num_sentences,
               "num_tokens": store.num_tokens}
