@@ -40,12 +40,20 @@ def interrupted() -> None:
 CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf")
 
 
+def prep_config(cfg: DictConfig) -> PrepConfig:
+    """The validated PrepConfig of Hydra's composed config (raises PrepError)."""
+    try:
+        d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise PrepError(str(e).splitlines()[0]) from None
+    return PrepConfig.from_dict(d)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="prep")
 def _run(cfg: DictConfig) -> None:
     from data_prep.pipeline import run
     try:
-        d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-        run(PrepConfig.from_dict(d))
+        run(prep_config(cfg))
     except PrepError as e:
         fail(str(e))
     except OmegaConfBaseException as e:

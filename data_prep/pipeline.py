@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -36,10 +37,20 @@ from data_prep.workers import init_worker_process
 FORMAT_VERSION = 1
 
 
+# A word (a run between spaces and ASCII punctuation) longer than WordPiece's 100-character
+# limit is encoded as [UNK], so it teaches the vocabulary nothing; and the trainer's merge loop
+# is quadratic in a word's length (one 1 MB word stalls it for many minutes).  Such words are
+# left out of tokenizer training only: the corpus itself is encoded as it is.
+_UNUSABLE_WORD = re.compile(r"[^\s!-/:-@\[-`{-~]{101,}")
+
+
 def _sentence_batches(cfg, size: int = 4096, exclude: Optional[str] = None
                       ) -> Iterator[list[str]]:
+    """Corpus sentences in lists of `size`, for tokenizer training."""
     batch: list[str] = []
     for _, s in corpus_mod.read_corpus(cfg, exclude):
+        if len(s) > 100:
+            s = _UNUSABLE_WORD.sub(" ", s)
         batch.append(s)
         if len(batch) >= size:
             yield batch
