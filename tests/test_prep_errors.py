@@ -72,7 +72,7 @@ def test_cli_bad_inputs(tmp_path):
     ("masked_lm_prob=1", r"masked_lm_prob=1.0 must be in \(0, 1\)"),
     ("max_seq_length=7", r"max_seq_length=7 is too short"),
     ("max_predictions_per_seq=0", r"max_predictions_per_seq=0 must be in \[1, "),
-    ("dupe_factor=0", r"dupe_factor=0 must be >= 1"),
+    ("dupe_factor=0", r"dupe_factor=0 must be in \[1, 1000\]"),
     ("validation_fraction=0.7", r"validation_fraction=0.7 must be in"),
     ("tokenizer.vocab_size=10", r"vocab_size=10 is too small"),
     ("corpus.paths=[]", r"corpus.paths is empty"),
