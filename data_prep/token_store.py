@@ -83,13 +83,21 @@ def read_blocks(arr: np.ndarray, starts, lens, gap_bytes: int = 4096):
     block_s = s[heads]
     block_e = np.maximum.reduceat(e, heads)
     if isinstance(arr, np.memmap) and arr.filename is not None:
+        buf = np.empty(int((block_e - block_s).sum()), arr.dtype)
+        view = memoryview(buf).cast("B")
         fd = os.open(arr.filename, os.O_RDONLY)
         try:
-            data = b"".join([os.pread(fd, (be - bs) * size, arr.offset + bs * size)
-                             for bs, be in zip(block_s.tolist(), block_e.tolist())])
+            at = 0
+            for bs, be in zip(block_s.tolist(), block_e.tolist()):
+                n, where = (be - bs) * size, arr.offset + bs * size
+                while n:      # straight into the buffer; a regular file reads in one go
+                    got = os.preadv(fd, [view[at:at + n]], where)
+                    if got == 0:
+                        raise PrepError(f"{arr.filename} is shorter than its meta.json says: "
+                                        "delete the output_dir's .work/tokens and re-run")
+                    at, n, where = at + got, n - got, where + got
         finally:
             os.close(fd)
-        buf = np.frombuffer(data, arr.dtype)
     else:
         a = np.asarray(arr)
         buf = np.concatenate([a[bs:be] for bs, be in zip(block_s.tolist(), block_e.tolist())])
