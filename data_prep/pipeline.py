@@ -180,11 +180,33 @@ def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
                 _build_shard(t)
                 bar.update()
         else:
-            method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-            with mp.get_context(method).Pool(min(num_proc, len(tasks)), _init_worker,
-                                             (ctx,)) as pool:
-                for _ in pool.imap_unordered(_build_shard, tasks):
-                    bar.update()
+            _run_pool(tasks, ctx, min(num_proc, len(tasks)), bar.update)
+
+
+def _run_pool(tasks: list, ctx: dict, workers: int, done) -> None:
+    """Shards on worker processes.  A worker that dies (the out-of-memory killer, kill -9)
+    fails the run at once, where multiprocessing.Pool would wait for its shard forever; on
+    an error or Ctrl-C the other workers are stopped, not waited for."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(method),
+                             initializer=_init_worker, initargs=(ctx,))
+    try:
+        for future in as_completed([ex.submit(_build_shard, t) for t in tasks]):
+            future.result()
+            done()
+    except BaseException as e:
+        for proc in list((getattr(ex, "_processes", None) or {}).values()):
+            proc.kill()      # half-written shards are temp dirs: the re-run deletes them
+        ex.shutdown(wait=False, cancel_futures=True)
+        if isinstance(e, BrokenProcessPool):
+            raise PrepError("a worker process died while building shards (killed by the "
+                            "system? running out of memory is the usual cause: lower num_proc "
+                            "or tokens_per_shard), then re-run the same command to resume"
+                            ) from None
+        raise
+    ex.shutdown(wait=True)
 
 
 # ---- the pipeline ----------------------------------------------------------------------------

@@ -104,6 +104,8 @@ def hit(path):
 def die():
     if os.environ.get("FAULT_ENOSPC"):
         raise OSError(28, "No space left on device")
+    if os.environ.get("FAULT_WORKER_ONLY"):         # e.g. the out-of-memory killer
+        os.kill(os.getpid(), signal.SIGKILL)
     os.kill(main_pid, signal.SIGKILL)     # the main process (workers die with it) ...
     os.kill(os.getpid(), signal.SIGKILL)  # ... and this one, now, mid-write
 
@@ -133,11 +135,13 @@ main()
 '''
 
 
-def _driver(cwd, args, fault, at, enospc=False):
+def _driver(cwd, args, fault, at, enospc=False, worker_only=False):
     (cwd / "driver.py").write_text(_DRIVER)
     env = dict(os.environ, FAULT=fault, FAULT_AT=str(at), PYTHONPATH=REPO)
     if enospc:
         env["FAULT_ENOSPC"] = "1"
+    if worker_only:
+        env["FAULT_WORKER_ONLY"] = "1"
     return subprocess.run([sys.executable, str(cwd / "driver.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120, env=env)
 
@@ -182,6 +186,22 @@ def test_kill_9_at_random_moments(setup, tmp_path):
         time.sleep(rng.uniform(0.3, 1.0) * wall)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+    p = _cli(tmp_path, [*args, "num_proc=2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert_same_bytes(tmp_path / "out", ref)
+
+
+def test_a_worker_killed_alone_fails_fast_in_one_line(setup, tmp_path):
+    """A shard worker SIGKILLed on its own (as the out-of-memory killer does): bert-prep stops
+    with one line instead of waiting forever for the lost shard; the re-run resumes."""
+    args, ref, _ = setup
+    t0 = time.perf_counter()
+    p = _driver(tmp_path, [*args, "num_proc=2"], ".tmp-shard-", 10, worker_only=True)
+    assert time.perf_counter() - t0 < 60
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert lines[0].startswith("bert-prep: error: a worker process died while building shards")
     p = _cli(tmp_path, [*args, "num_proc=2"])
     assert p.returncode == 0, p.stderr[-3000:]
     assert_same_bytes(tmp_path / "out", ref)
