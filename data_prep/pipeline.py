@@ -27,9 +27,9 @@ from data_prep.errors import PrepError, PrepIOError, os_error
 from data_prep.instances import create_instances
 from data_prep.masking import MaskingTables, assemble, mask_rows
 from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
-from data_prep.shards import (is_done, read_stats, remove_crash_leftovers, remove_stale_tmp,
-                              shard_path, shard_stats, stats_table, summarize, tmp_suffix,
-                              write_json_atomic, write_shard)
+from data_prep.shards import (add_stats, is_done, read_stats, remove_crash_leftovers,
+                              remove_stale_tmp, shard_path, shard_stats, stats_table, summarize,
+                              tmp_suffix, write_json_atomic, write_shard)
 from data_prep.token_store import TokenStore, is_complete, read_blocks, tokenize_corpus
 from data_prep.tokenizer import prepare_tokenizer
 from data_prep.workers import init_worker_process
@@ -347,22 +347,23 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
 
 
 def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> dict:
-    splits, per_split, all_parts = {}, {}, []
+    # Shard statistics are added up as they are read: memory stays flat however many shards.
+    splits, per_split, everything = {}, {}, []
     for s in SPLITS:
-        shards, parts = [], []
+        shards, split_total = [], []
         for i in range(plans[s].num_shards):
             st = read_stats(shard_path(out, s, i))
             if st["fingerprint"] != fingerprint:
                 raise PrepError(f"{shard_path(out, s, i)} was made by another prep (tokenizer or "
                                 "settings differ): delete it and re-run")
-            parts.append(st)
+            add_stats(split_total, st)
+            add_stats(everything, st)
             if st["num_instances"]:
                 shards.append({"path": f"{s}/shard-{i:05d}", "num_instances": st["num_instances"]})
-        per_split[s] = summarize(parts, cfg.max_seq_length)
+        per_split[s] = summarize(split_total, cfg.max_seq_length)
         splits[s] = {"num_instances": per_split[s]["num_instances"], "shards": shards,
                      "num_documents": int(len(plans[s].docs)), "stats": per_split[s]}
-        all_parts += parts
-    stats = summarize(all_parts, cfg.max_seq_length)
+    stats = summarize(everything, cfg.max_seq_length)
     manifest = {
         "format_version": FORMAT_VERSION, "complete": True, "key": key,
         "fingerprint": fingerprint,

@@ -131,6 +131,20 @@ def shard_stats(lengths: np.ndarray, is_random: np.ndarray, counts: dict, max_se
             "length_hist": np.bincount(lengths, minlength=max_seq_length + 1).tolist()}
 
 
+def add_stats(total: list, part: dict) -> None:
+    """Fold one shard's stats into `total`, a list holding at most one running sum (same keys
+    as a shard's stats; summarize() accepts it as it accepts the parts)."""
+    keys = [k for k, v in part.items() if isinstance(v, int) and not isinstance(v, bool)]
+    hist = np.asarray(part["length_hist"], np.int64)
+    if not total:
+        total.append({**{k: part[k] for k in keys}, "length_hist": hist})
+        return
+    t = total[0]
+    for k in keys:
+        t[k] += part[k]
+    t["length_hist"] = t["length_hist"] + hist
+
+
 def summarize(parts: list[dict], max_seq_length: int) -> dict:
     """The manifest's `stats` object from per-shard counts."""
     def total(key):
