@@ -3,7 +3,9 @@
 `run(PrepConfig)` is what `bert-prep` calls (tests and benchmarks call it directly).  Every step
 leaves a complete result under a final name or nothing, so re-running the same command after a
 crash resumes: the saved tokenizer, the tokenized corpus and every finished shard are reused,
-and `manifest.json` appears only once all shards of both splits exist.
+and `manifest.json` appears only once all shards of both splits exist.  Stopping anywhere (kill
+-9, Ctrl-C, a full disk) and re-running gives the same bytes as an uninterrupted run: temp files
+of a killed run are swept at the start (tests/test_prep_faults.py).
 """
 from __future__ import annotations
 
