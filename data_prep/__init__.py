@@ -10,7 +10,8 @@ Pipeline (`pipeline.run`), one module per step:
   plan.py            validation hold-out by document; work units (one shard per unit and dupe)
   instances.py       NSP instances of a unit (Google's semantics, minus its bugs)
   masking.py         [CLS] A [SEP] B [SEP] rows and MLM masks, vectorised over a shard
-  shards.py          atomic shard directories, statistics, manifest helpers
+  shards.py          atomic shard directories, statistics, manifest helpers, crash leftovers
+  workers.py         worker processes: Ctrl-C left to the main process, die with it
   build.py           the Hydra entry point
 The on-disk result is specified in docs/prepared-format.md.
 """

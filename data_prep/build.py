@@ -3,7 +3,8 @@
     bert-prep corpus=text corpus.paths='[data/wiki/*.txt]' tokenizer.vocab_size=30522 \
               max_seq_length=128 dupe_factor=5 num_proc=8 output_dir=prepared/wiki128
 
-A user-fixable problem prints ``bert-prep: error: <what and how to fix>`` and exits 2.
+A user-fixable problem prints ``bert-prep: error: <what and how to fix>`` and exits 2; Ctrl-C
+prints one line and exits 130, leaving what is done for the re-run to resume.
 """
 from __future__ import annotations
 
@@ -20,8 +21,18 @@ from data_prep.errors import PrepError
 
 
 def fail(message: str) -> None:
-    print(f"bert-prep: error: {message}", file=sys.stderr)
+    print(f"bert-prep: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def interrupted() -> None:
+    # Every step leaves a complete result or nothing (see pipeline.py), so stopping anywhere is
+    # safe; 130 = 128 + SIGINT, what a shell reports for a Ctrl-C'd command.
+    # (A progress bar may have been cut mid-line: start a new one on a terminal.)
+    lead = "\n" if sys.stderr.isatty() else ""
+    print(f"{lead}bert-prep: interrupted; re-run the same command to resume", file=sys.stderr,
+          flush=True)
+    sys.exit(130)
 
 
 # "../conf/prep" (bert-prep's own config root, so --help lists only its groups) relative to this
@@ -30,21 +41,37 @@ def fail(message: str) -> None:
 CONFIG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "conf", "prep")
 
 
+def prep_config(cfg: DictConfig) -> PrepConfig:
+    """The validated PrepConfig of Hydra's composed config (raises PrepError)."""
+    try:
+        d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise PrepError(str(e).splitlines()[0]) from None
+    return PrepConfig.from_dict(d)
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="prep")
 def _run(cfg: DictConfig) -> None:
     from data_prep.pipeline import run
     try:
-        d = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-        run(PrepConfig.from_dict(d))
+        run(prep_config(cfg))
     except PrepError as e:
         fail(str(e))
     except OmegaConfBaseException as e:
         fail(str(e).splitlines()[0])
+    except OSError as e:     # one the pipeline did not name (it names those it expects)
+        fail(f"{str(e.filename) + ': ' if e.filename else ''}{e.strerror or e}: fix the cause and "
+             "re-run the same command to resume")
+    except KeyboardInterrupt:
+        interrupted()
 
 
 def main() -> None:
-    precheck("bert-prep", os.path.abspath(CONFIG_PATH), "prep", sys.argv[1:])
-    _run()
+    try:
+        precheck("bert-prep", os.path.abspath(CONFIG_PATH), "prep", sys.argv[1:])
+        _run()
+    except KeyboardInterrupt:    # during start-up, before the pipeline runs
+        interrupted()
 
 
 if __name__ == "__main__":

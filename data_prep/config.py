@@ -18,6 +18,10 @@ from typing import Any, Optional
 from data_prep.errors import PrepError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+# Upper bounds that keep a typo from starting work that cannot finish: 1000 copies of every
+# shard, or a process per CPU of a very large machine, is far beyond any real use.
+MAX_DUPE_FACTOR = 1000
+MAX_NUM_PROC = 1024
 
 
 def _paths(value: Any, where: str) -> list[str]:
@@ -117,7 +121,7 @@ class TokenizerConfig:
     vocab_file: Optional[str] = None
     vocab_size: int = 30522           # when training
     min_frequency: int = 2            # when training
-    limit_alphabet: int = 1000        # when training: at most this many initial characters
+    limit_alphabet: Optional[int] = 1000   # when training: at most this many initial characters
     # When training: use only the corpus's first N sentences (null: all).  The trainer holds a
     # count per distinct word, so on a huge corpus a prefix bounds its memory and time.
     max_training_sentences: Optional[int] = None
@@ -128,8 +132,13 @@ class TokenizerConfig:
             if not 64 <= self.vocab_size <= 2 ** 31 - 1:
                 raise PrepError(f"tokenizer.vocab_size={self.vocab_size} is too small: use at "
                                 "least 64 (BERT uses 30522)")
-            if self.min_frequency < 1:
-                raise PrepError(f"tokenizer.min_frequency={self.min_frequency} must be >= 1")
+            if not 1 <= self.min_frequency <= 2 ** 32 - 1:
+                raise PrepError(f"tokenizer.min_frequency={self.min_frequency} must be in "
+                                "[1, 2**32 - 1]")
+            if (self.limit_alphabet is not None
+                    and not 1 <= self.limit_alphabet <= 2 ** 31 - 1):
+                raise PrepError(f"tokenizer.limit_alphabet={self.limit_alphabet} must be in "
+                                "[1, 2**31 - 1] or null (no limit)")
             if self.max_training_sentences is not None and self.max_training_sentences < 1:
                 raise PrepError(f"tokenizer.max_training_sentences="
                                 f"{self.max_training_sentences} must be >= 1 or null")
@@ -165,6 +174,8 @@ class PrepConfig:
     def __post_init__(self):
         if not self.output_dir:
             raise PrepError("output_dir is not set: pass output_dir=prepared/<name>")
+        if not 0 <= self.seed < 2 ** 63:
+            raise PrepError(f"seed={self.seed} must be in [0, 2**63)")
         L = self.max_seq_length
         if not isinstance(L, int) or L < 8:
             raise PrepError(f"max_seq_length={L} is too short: use at least 8 (BERT uses 128 "
@@ -181,19 +192,22 @@ class PrepConfig:
             raise PrepError(f"short_seq_prob={self.short_seq_prob} must be in [0, 1]")
         if not 0.0 <= self.random_next_prob <= 1.0:
             raise PrepError(f"random_next_prob={self.random_next_prob} must be in [0, 1]")
-        if self.dupe_factor < 1:
-            raise PrepError(f"dupe_factor={self.dupe_factor} must be >= 1")
+        if not 1 <= self.dupe_factor <= MAX_DUPE_FACTOR:
+            raise PrepError(f"dupe_factor={self.dupe_factor} must be in [1, {MAX_DUPE_FACTOR}] "
+                            "(BERT uses 10)")
         if not 0.0 <= self.validation_fraction < 0.5:
             raise PrepError(f"validation_fraction={self.validation_fraction} must be in [0, 0.5)")
-        if self.tokens_per_shard < 1000:
-            raise PrepError(f"tokens_per_shard={self.tokens_per_shard} must be >= 1000")
+        if not 1000 <= self.tokens_per_shard <= 2 ** 40:
+            raise PrepError(f"tokens_per_shard={self.tokens_per_shard} must be in [1000, 2**40]")
         if self.num_proc is None:
             self.num_proc = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
                 else (os.cpu_count() or 1)
-        if self.num_proc < 1:
-            raise PrepError(f"num_proc={self.num_proc} must be >= 1")
-        if self.tokenize_batch_size < 1:
-            raise PrepError(f"tokenize_batch_size={self.tokenize_batch_size} must be >= 1")
+        if not 1 <= self.num_proc <= MAX_NUM_PROC:
+            raise PrepError(f"num_proc={self.num_proc} must be in [1, {MAX_NUM_PROC}] (null: "
+                            "all CPUs)")
+        if not 1 <= self.tokenize_batch_size <= 2 ** 20:
+            raise PrepError(f"tokenize_batch_size={self.tokenize_batch_size} must be in "
+                            "[1, 2**20] (sentences held in memory at once)")
         if self.num_hosts < 1:
             raise PrepError(f"num_hosts={self.num_hosts} must be >= 1")
         if self.host_index is not None and not 0 <= self.host_index < self.num_hosts:
@@ -237,16 +251,22 @@ def _check_keys(cls, d: dict, prefix: str) -> dict:
         known = ", ".join(sorted(prefix + n for n in names))
         raise PrepError(f"unknown setting {prefix}{unknown[0]}: the known ones are {known}")
     for f in dataclasses.fields(cls):
-        v = d.get(f.name)
-        if v is None:
+        if f.name not in d:
             continue
+        v = d[f.name]
         want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        bad = ((want in ("int", "Optional[int]")
-                and (not isinstance(v, int) or isinstance(v, bool)))
-               or (want == "float" and not isinstance(v, (int, float)))
-               or (want == "bool" and not isinstance(v, bool)))
+        kind = want.replace("Optional[", "").rstrip("]")
+        if v is None:
+            if kind in ("int", "float", "bool", "str") and not want.startswith("Optional["):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise PrepError(f"{prefix}{f.name}=null: it needs a {kind} value (the default "
+                                f"is {default!r})")
+            continue
+        bad = ((kind == "int" and (not isinstance(v, int) or isinstance(v, bool)))
+               or (kind == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)))
+               or (kind == "bool" and not isinstance(v, bool))
+               or (kind == "str" and not isinstance(v, str)))
         if bad:
-            kind = want.replace("Optional[", "").rstrip("]")
             raise PrepError(f"{prefix}{f.name}={v!r} is not a valid {kind}")
         if want == "float":
             d[f.name] = float(v)

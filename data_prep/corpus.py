@@ -15,13 +15,19 @@ Sources (``corpus.source``):
   hf         any Hugging Face dataset through `datasets` (hub name, builder + data_files, or a
              save_to_disk directory), one document per row, streaming or not.
   builtin    Python's own documentation (see `builtin_corpus`), no download.
+
+Files of the text and documents sources may be compressed: gzip, bzip2 and xz always, zstd when
+the `zstandard` package is installed.  The format is told by the file's first bytes, whatever
+its name, and the text is decompressed as it streams.  Archives (zip, tar, 7z) are refused:
+they hold several files, which should be extracted and named.
 """
 from __future__ import annotations
 
 import codecs
 import glob
+import io
 import os
-from typing import Iterable, Iterator, Optional
+from typing import IO, Iterable, Iterator, Optional
 
 from data_prep.config import (BuiltinCorpusConfig, DocumentsCorpusConfig, HFCorpusConfig,
                               TextCorpusConfig)
@@ -60,33 +66,125 @@ def resolve_paths(patterns: list[str], exclude: Optional[str] = None) -> list[st
     return files
 
 
+def _compression(head: bytes) -> Optional[str]:
+    """The compression format of a file from its first bytes (None: not compressed)."""
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    # "BZh" + block size, then the pi (block) or sqrt(pi) (end of stream) magic: plain text
+    # could start with "BZh", never with these 10 bytes.
+    if head[:3] == b"BZh" and head[3:4].isdigit() and head[4:10] in (b"1AY&SY", b"\x17rE8P\x90"):
+        return "bz2"
+    if head.startswith(b"\xfd7zXZ\x00"):
+        return "xz"
+    if head.startswith(b"\x28\xb5\x2f\xfd"):
+        return "zstd"
+    return None
+
+
+_ARCHIVES = ((b"PK\x03\x04", "a zip archive", "unzip"), (b"PK\x05\x06", "a zip archive", "unzip"),
+             (b"7z\xbc\xaf\x27\x1c", "a 7z archive", "7z x"),
+             (b"Rar!\x1a\x07", "a rar archive", "unrar x"))
+
+
+def _refuse_archive(path: str, head: bytes, compressed: Optional[str]) -> None:
+    for magic, what, tool in _ARCHIVES:
+        if head.startswith(magic):
+            raise PrepError(f"{path} is {what}, not text: extract it (`{tool}`) and name the "
+                            "extracted files in corpus.paths")
+    if head[257:262] == b"ustar":
+        inner = f"{compressed}-compressed " if compressed else ""
+        raise PrepError(f"{path} is a {inner}tar archive, not text: extract it (`tar xf`) and "
+                        "name the extracted files in corpus.paths")
+
+
+def open_binary(path: str) -> tuple[IO[bytes], Optional[str]]:
+    """The file's bytes, decompressed as they are read, and the compression found."""
+    f = open(path, "rb")
+    try:
+        head = f.read(512)
+        f.seek(0)
+        kind = _compression(head)
+        if kind is None:
+            _refuse_archive(path, head, None)
+            return f, None
+        if kind == "gzip":
+            import gzip
+            stream = gzip.GzipFile(fileobj=f)
+        elif kind == "bz2":
+            import bz2
+            stream = bz2.BZ2File(f)
+        elif kind == "xz":
+            import lzma
+            stream = lzma.LZMAFile(f)
+        else:
+            try:
+                import zstandard
+            except ImportError:
+                raise PrepError(f"{path} is zstd-compressed and the zstandard package is not "
+                                f"installed: decompress it (`zstd -d {path}`) or `pip install "
+                                "zstandard`") from None
+            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(
+                f, closefd=True))
+        _refuse_archive(path, stream.peek(512)[:512], kind)
+        return stream, kind
+    except PrepError:
+        f.close()
+        raise
+    except Exception as e:
+        f.close()
+        raise _corrupt(path, kind, e) from None
+
+
+def _corrupt(path: str, kind: Optional[str], exc: BaseException) -> PrepError:
+    if kind is None and isinstance(exc, OSError):
+        return PrepError(f"{path}: cannot read it ({exc.strerror or exc})")
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return PrepError(f"{path}: corrupt or truncated {kind} data ({reason}): check it, e.g. "
+                     f"`{_TEST_COMMAND.get(kind, kind)} {path}`, or replace it")
+
+
+_TEST_COMMAND = {"gzip": "gzip -t", "bz2": "bzip2 -t", "xz": "xz -t", "zstd": "zstd -t"}
+
+
 def _not_utf8(path: str, exc: UnicodeDecodeError) -> PrepError:
     """Locate the first invalid byte (line and byte offset) for the message."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, line = 0, 1
-    with open(path, "rb") as f:
+    f, kind = open_binary(path)
+    where = f"{kind}-compressed, " if kind else ""
+    with f:
         while chunk := f.read(1 << 20):
             try:
                 decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 bad = offset + e.start
                 line += chunk[:e.start].count(b"\n")
-                return PrepError(f"{path}: not UTF-8 text (invalid byte 0x{chunk[e.start]:02x} "
-                                 f"at line {line}, byte {bad}): convert it, e.g. "
-                                 f"`iconv -f latin1 -t utf-8`")
+                return PrepError(f"{path}: not UTF-8 text ({where}invalid byte "
+                                 f"0x{chunk[e.start]:02x} at line {line}, byte {bad}): convert "
+                                 "it, e.g. `iconv -f latin1 -t utf-8`")
             offset += len(chunk)
             line += chunk.count(b"\n")
-    return PrepError(f"{path}: not UTF-8 text ({exc.reason}): convert it to UTF-8")
+    return PrepError(f"{path}: not UTF-8 text ({where}{exc.reason}): convert it to UTF-8")
 
 
 def _lines(path: str) -> Iterator[str]:
+    kind = None
     try:
-        with open(path, encoding="utf-8", newline=None) as f:
+        raw, kind = open_binary(path)
+        with io.TextIOWrapper(raw, encoding="utf-8", newline=None) as f:
             yield from f
+    except PrepError:
+        raise
     except UnicodeDecodeError as e:
         raise _not_utf8(path, e) from None
-    except OSError as e:
-        raise PrepError(f"{path}: cannot read it ({e.strerror})") from None
+    except OSError as e:    # an unreadable file, or bad gzip / bz2 data
+        raise _corrupt(path, kind, e) from None
+    except Exception as e:
+        # Decoder errors of compressed data: EOFError (truncated), zlib.error, LZMAError,
+        # ZstdError.  In plain text any other exception is a bug: keep its traceback.
+        if kind is None:
+            raise
+        raise _corrupt(path, kind, e) from None
 
 
 def read_text(cfg: TextCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sentence]:

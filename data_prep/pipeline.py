@@ -3,7 +3,9 @@
 `run(PrepConfig)` is what `bert-prep` calls (tests and benchmarks call it directly).  Every step
 leaves a complete result under a final name or nothing, so re-running the same command after a
 crash resumes: the saved tokenizer, the tokenized corpus and every finished shard are reused,
-and `manifest.json` appears only once all shards of both splits exist.
+and `manifest.json` appears only once all shards of both splits exist.  Stopping anywhere (kill
+-9, Ctrl-C, a full disk) and re-running gives the same bytes as an uninterrupted run: temp files
+of a killed run are swept at the start (tests/test_prep_faults.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import re
 import shutil
 import sys
 import time
@@ -22,22 +25,34 @@ import numpy as np
 
 from data_prep import corpus as corpus_mod
 from data_prep.config import PrepConfig
-from data_prep.errors import PrepError
+from data_prep.errors import PrepError, PrepIOError, os_error
 from data_prep.instances import create_instances
 from data_prep.masking import MaskingTables, assemble, mask_rows
 from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
-from data_prep.shards import (is_done, read_stats, remove_stale_tmp, shard_path, shard_stats,
-                              stats_table, summarize, write_json_atomic, write_shard)
-from data_prep.token_store import TokenStore, is_complete, read_ranges, tokenize_corpus
+from data_prep.shards import (add_stats, is_done, read_stats, remove_crash_leftovers,
+                              remove_stale_tmp, shard_path, shard_stats, stats_table, summarize,
+                              tmp_suffix, write_json_atomic, write_shard)
+from data_prep.token_store import TokenStore, is_complete, read_blocks, tokenize_corpus
 from data_prep.tokenizer import prepare_tokenizer
+from data_prep.workers import init_worker_process
 
 FORMAT_VERSION = 1
 
 
+# A word (a run between spaces and ASCII punctuation) longer than WordPiece's 100-character
+# limit is encoded as [UNK], so it teaches the vocabulary nothing; and the trainer's merge loop
+# is quadratic in a word's length (one 1 MB word stalls it for many minutes).  Such words are
+# left out of tokenizer training only: the corpus itself is encoded as it is.
+_UNUSABLE_WORD = re.compile(r"[^\s!-/:-@\[-`{-~]{101,}")
+
+
 def _sentence_batches(cfg, size: int = 4096, exclude: Optional[str] = None
                       ) -> Iterator[list[str]]:
+    """Corpus sentences in lists of `size`, for tokenizer training."""
     batch: list[str] = []
     for _, s in corpus_mod.read_corpus(cfg, exclude):
+        if len(s) > 100:
+            s = _UNUSABLE_WORD.sub(" ", s)
         batch.append(s)
         if len(batch) >= size:
             yield batch
@@ -103,6 +118,7 @@ _W: dict = {}
 
 
 def _init_worker(ctx: dict) -> None:
+    init_worker_process()
     _W.clear()
     _W.update(ctx)
 
@@ -120,21 +136,14 @@ def _build_shard(task: tuple[str, int]) -> tuple[str, int, dict]:
 
 
 def _gather_tokens(tokens: np.ndarray, seg):
-    """The tokens a shard needs, in one buffer, with the segments re-based onto it: the span
-    of the unit's own text (A and actual-next B), then each random-next B, read with pread
-    (see token_store.read_ranges)."""
-    rand = seg.is_random_next
-    if len(seg.a_start) == 0:
-        return np.zeros(0, tokens.dtype), seg
-    local_s = np.concatenate([seg.a_start, seg.b_start[~rand]])
-    local_e = np.concatenate([seg.a_start + seg.a_len, (seg.b_start + seg.b_len)[~rand]])
-    lo, hi = int(local_s.min()), int(local_e.max())
-    own = np.asarray(tokens[lo:hi])
-    far = read_ranges(tokens, seg.b_start[rand], seg.b_len[rand])
-    b_start = seg.b_start - lo
-    b_start[rand] = len(own) + np.cumsum(seg.b_len[rand]) - seg.b_len[rand]
-    return (np.concatenate([own, far]),
-            dataclasses.replace(seg, a_start=seg.a_start - lo, b_start=b_start))
+    """The tokens a shard needs, in one buffer, with the segments re-based onto it.  Every
+    segment (A, actual-next B, random-next B) is read as a range of its own, neighbours
+    merged (token_store.read_blocks): the buffer is about the shard's own size whatever the
+    corpus size, even when the unit's documents lie far apart in the corpus."""
+    n = len(seg.a_start)
+    buf, pos = read_blocks(tokens, np.concatenate([seg.a_start, seg.b_start]),
+                           np.concatenate([seg.a_len, seg.b_len]))
+    return buf, dataclasses.replace(seg, a_start=pos[:n], b_start=pos[n:])
 
 
 def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, int, dict]:
@@ -165,19 +174,41 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
     from tqdm import tqdm
-    bar = tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress)
-    if num_proc == 1 or len(tasks) <= 1:
-        _init_worker(ctx)
-        for t in tasks:
-            _build_shard(t)
-            bar.update()
-    else:
-        method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        with mp.get_context(method).Pool(min(num_proc, len(tasks)), _init_worker,
-                                         (ctx,)) as pool:
-            for _ in pool.imap_unordered(_build_shard, tasks):
+    with tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress) as bar:
+        if num_proc == 1 or len(tasks) <= 1:
+            _W.clear()
+            _W.update(ctx)
+            for t in tasks:
+                _build_shard(t)
                 bar.update()
-    bar.close()
+        else:
+            _run_pool(tasks, ctx, min(num_proc, len(tasks)), bar.update)
+
+
+def _run_pool(tasks: list, ctx: dict, workers: int, done) -> None:
+    """Shards on worker processes.  A worker that dies (the out-of-memory killer, kill -9)
+    fails the run at once, where multiprocessing.Pool would wait for its shard forever; on
+    an error or Ctrl-C the other workers are stopped, not waited for."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(method),
+                             initializer=_init_worker, initargs=(ctx,))
+    try:
+        for future in as_completed([ex.submit(_build_shard, t) for t in tasks]):
+            future.result()
+            done()
+    except BaseException as e:
+        for proc in list((getattr(ex, "_processes", None) or {}).values()):
+            proc.kill()      # half-written shards are temp dirs: the re-run deletes them
+        ex.shutdown(wait=False, cancel_futures=True)
+        if isinstance(e, BrokenProcessPool):
+            raise PrepError("a worker process died while building shards (killed by the "
+                            "system? running out of memory is the usual cause: lower num_proc "
+                            "or tokens_per_shard), then re-run the same command to resume"
+                            ) from None
+        raise
+    ex.shutdown(wait=True)
 
 
 # ---- the pipeline ----------------------------------------------------------------------------
@@ -196,13 +227,20 @@ def run(cfg: PrepConfig) -> Optional[dict]:
     """Prepare `cfg.output_dir`.  Returns the manifest, or None when this host's part is done
     but other hosts' shards are still missing."""
     out = os.path.abspath(os.path.expanduser(cfg.output_dir))
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PrepError(f"output_dir={cfg.output_dir!r} is an existing file, not a directory: "
+                        "choose a directory path (nothing was written)")
     created = not os.path.exists(out)
     try:
         return _run(cfg, out)
+    except PrepIOError:
+        raise         # disk full, permissions: what is done is kept for the re-run
     except PrepError:
         if created:   # a bad input found on the first run leaves nothing behind
             shutil.rmtree(out, ignore_errors=True)
         raise
+    except OSError as e:   # a read or write of the output dir the steps did not name
+        raise os_error(e, f"output_dir={cfg.output_dir!r}") from None
 
 
 def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
@@ -214,6 +252,8 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
         ident["vocab_sha256"] = _file_hash(os.path.expanduser(cfg.tokenizer.vocab_file))
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
     done = _prepare_output_dir(cfg, out, key)
+    for d in (out, work, *(os.path.join(out, s) for s in SPLITS)):
+        remove_crash_leftovers(d)     # temp files of a run killed mid-write (kill -9)
     if done is not None:
         columns = {s: done["splits"][s]["stats"] for s in SPLITS}
         print(stats_table({**columns, "all": done["stats"]}))
@@ -256,14 +296,18 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
                           cfg.dupe_factor, cfg.seed)
-        tmp = plan_dir + f".tmp-{os.getpid()}"
+        tmp = plan_dir + tmp_suffix()
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        for p in plans.values():
-            p.save(tmp)
+        try:
+            os.makedirs(tmp)
+            for p in plans.values():
+                p.save(tmp)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise os_error(e, "writing the plan (.work/plan)") from None
         try:
             os.rename(tmp, plan_dir)
-        except OSError:
+        except OSError:   # another host saved the same plan first
             shutil.rmtree(tmp, ignore_errors=True)
     counts = {"num_documents": store.num_documents, "num_sentences": store.num_sentences,
               "num_tokens": store.num_tokens}
@@ -305,22 +349,23 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
 
 
 def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> dict:
-    splits, per_split, all_parts = {}, {}, []
+    # Shard statistics are added up as they are read: memory stays flat however many shards.
+    splits, per_split, everything = {}, {}, []
     for s in SPLITS:
-        shards, parts = [], []
+        shards, split_total = [], []
         for i in range(plans[s].num_shards):
             st = read_stats(shard_path(out, s, i))
             if st["fingerprint"] != fingerprint:
                 raise PrepError(f"{shard_path(out, s, i)} was made by another prep (tokenizer or "
                                 "settings differ): delete it and re-run")
-            parts.append(st)
+            add_stats(split_total, st)
+            add_stats(everything, st)
             if st["num_instances"]:
                 shards.append({"path": f"{s}/shard-{i:05d}", "num_instances": st["num_instances"]})
-        per_split[s] = summarize(parts, cfg.max_seq_length)
+        per_split[s] = summarize(split_total, cfg.max_seq_length)
         splits[s] = {"num_instances": per_split[s]["num_instances"], "shards": shards,
                      "num_documents": int(len(plans[s].docs)), "stats": per_split[s]}
-        all_parts += parts
-    stats = summarize(all_parts, cfg.max_seq_length)
+    stats = summarize(everything, cfg.max_seq_length)
     manifest = {
         "format_version": FORMAT_VERSION, "complete": True, "key": key,
         "fingerprint": fingerprint,

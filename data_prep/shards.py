@@ -16,6 +16,8 @@ import socket
 
 import numpy as np
 
+from data_prep.errors import os_error
+
 SHARD_FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions",
                "masked_labels", "next_sentence_labels")
 
@@ -52,20 +54,68 @@ def remove_stale_tmp(output_dir: str, split: str, indices: set[int]) -> None:
                 shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
 
+def tmp_suffix() -> str:
+    """``.tmp-<host>-<pid>``: who writes a temp file, so a later run can tell a crashed
+    writer's leftovers (this host, process gone) from another host's work in progress."""
+    return f".tmp-{socket.gethostname()}-{os.getpid()}"
+
+
 def write_shard(path: str, index: int, arrays: dict, stats: dict) -> None:
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, _tmp_prefix(index) + f"{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name in SHARD_FILES:
-        np.save(os.path.join(tmp, name + ".npy"), arrays[name])
-    with open(os.path.join(tmp, "stats.json"), "w") as f:
-        json.dump(stats, f)
+    tmp = os.path.join(parent, _tmp_prefix(index) + tmp_suffix()[len(".tmp-"):])
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        for name in SHARD_FILES:
+            np.save(os.path.join(tmp, name + ".npy"), arrays[name])
+        with open(os.path.join(tmp, "stats.json"), "w") as f:
+            json.dump(stats, f)
+    except OSError as e:
+        # A full disk mid-shard: drop the half-written shard (freeing its space); the
+        # finished shards stay, and a re-run builds this one again.
+        shutil.rmtree(tmp, ignore_errors=True)
+        split = os.path.basename(parent)
+        raise os_error(e, f"writing {split}/{shard_name(index)}") from None
     try:
         os.rename(tmp, path)
     except OSError:  # another host finished the same shard first: both are identical
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:       # EPERM: someone else's live process
+        return True
+    return True
+
+
+def remove_crash_leftovers(directory: str) -> None:
+    """Delete temp files and dirs (``*.tmp-[<host>-]<pid>``) whose writer was a process of this
+    host that no longer exists: what a killed run left behind.  Others' are never touched."""
+    if not os.path.isdir(directory):
+        return
+    host = socket.gethostname()
+    for name in os.listdir(directory):
+        if ".tmp-" not in name:
+            continue
+        tag = name.rsplit(".tmp-", 1)[1]
+        if name.startswith(".tmp-shard-"):          # .tmp-shard-NNNNN-<host>-<pid>
+            tag = tag.split("-", 2)[2] if tag.count("-") >= 2 else ""
+        who, _, pid = tag.rpartition("-")
+        if not pid.isdigit() or (who and who != host) or _pid_alive(int(pid)):
+            continue
+        p = os.path.join(directory, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.remove(p)
+            except OSError:
+                pass
 
 
 def read_stats(path: str) -> dict:
@@ -79,6 +129,20 @@ def shard_stats(lengths: np.ndarray, is_random: np.ndarray, counts: dict, max_se
             "num_tokens": int(lengths.sum()), "num_random_next": int(is_random.sum()),
             **counts,
             "length_hist": np.bincount(lengths, minlength=max_seq_length + 1).tolist()}
+
+
+def add_stats(total: list, part: dict) -> None:
+    """Fold one shard's stats into `total`, a list holding at most one running sum (same keys
+    as a shard's stats; summarize() accepts it as it accepts the parts)."""
+    keys = [k for k, v in part.items() if isinstance(v, int) and not isinstance(v, bool)]
+    hist = np.asarray(part["length_hist"], np.int64)
+    if not total:
+        total.append({**{k: part[k] for k in keys}, "length_hist": hist})
+        return
+    t = total[0]
+    for k in keys:
+        t[k] += part[k]
+    t["length_hist"] = t["length_hist"] + hist
 
 
 def summarize(parts: list[dict], max_seq_length: int) -> dict:
@@ -108,12 +172,19 @@ def summarize(parts: list[dict], max_seq_length: int) -> dict:
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path + tmp_suffix()
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise os_error(e, f"writing {os.path.basename(path)}") from None
 
 
 STAT_ROWS = [("instances", "num_instances", "{:,}"), ("tokens", "num_tokens", "{:,}"),

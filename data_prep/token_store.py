@@ -22,7 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
-from data_prep.errors import PrepError
+from data_prep.errors import PrepError, os_error
 
 
 @dataclass
@@ -60,22 +60,20 @@ class TokenStore:
                    mm("doc_off.bin", np.int64, meta["num_documents"] + 1))
 
 
-def read_ranges(arr: np.ndarray, starts, lens, gap_bytes: int = 4096) -> np.ndarray:
-    """``concatenate([arr[s:s + n] for s, n in zip(starts, lens)])``.
+def read_blocks(arr: np.ndarray, starts, lens, gap_bytes: int = 4096):
+    """The ranges ``[s, s + n)`` of `arr`, read as few blocks: returns ``(buf, pos)`` where
+    ``buf[pos[i]:pos[i] + lens[i]] == arr[starts[i]:starts[i] + lens[i]]``.
 
-    For a memory map, the ranges are read with pread() instead of through the mapping: random
-    reads across a large corpus (random-next segments) would otherwise leave every page they
-    touched, and its neighbours, in the process's resident set, which then grows with the
-    corpus.  Ranges closer than `gap_bytes` are read as one block (fewer system calls; the
-    blocks are temporary and at most ~ranges x gap_bytes long)."""
+    Ranges that overlap or lie closer than `gap_bytes` share one block, so `buf` is at most the
+    ranges' total length plus the small gaps: never the span between far-apart ranges (a work
+    unit whose documents are spread over the corpus, e.g. validation documents, would otherwise
+    read a span that grows with the corpus).  For a memory map, blocks are read with pread()
+    instead of through the mapping: random reads across a large corpus (random-next segments)
+    would otherwise leave every page they touched in the process's resident set."""
     starts = np.asarray(starts, np.int64)
     lens = np.asarray(lens, np.int64)
     if not len(starts):
-        return np.zeros(0, arr.dtype)
-    if not isinstance(arr, np.memmap) or arr.filename is None:
-        first = np.cumsum(lens) - lens
-        idx = np.arange(int(lens.sum())) - np.repeat(first - starts, lens)
-        return np.asarray(arr)[idx]
+        return np.zeros(0, arr.dtype), np.zeros(0, np.int64)
     size = arr.dtype.itemsize
     order = np.argsort(starts, kind="stable")
     s, e = starts[order], starts[order] + lens[order]
@@ -84,17 +82,38 @@ def read_ranges(arr: np.ndarray, starts, lens, gap_bytes: int = 4096) -> np.ndar
     heads = np.flatnonzero(new)
     block_s = s[heads]
     block_e = np.maximum.reduceat(e, heads)
-    fd = os.open(arr.filename, os.O_RDONLY)
-    try:
-        data = b"".join([os.pread(fd, (be - bs) * size, arr.offset + bs * size)
-                         for bs, be in zip(block_s.tolist(), block_e.tolist())])
-    finally:
-        os.close(fd)
-    buf = np.frombuffer(data, arr.dtype)
+    if isinstance(arr, np.memmap) and arr.filename is not None:
+        buf = np.empty(int((block_e - block_s).sum()), arr.dtype)
+        view = memoryview(buf).cast("B")
+        fd = os.open(arr.filename, os.O_RDONLY)
+        try:
+            at = 0
+            for bs, be in zip(block_s.tolist(), block_e.tolist()):
+                n, where = (be - bs) * size, arr.offset + bs * size
+                while n:      # straight into the buffer; a regular file reads in one go
+                    got = os.preadv(fd, [view[at:at + n]], where)
+                    if got == 0:
+                        raise PrepError(f"{arr.filename} is shorter than its meta.json says: "
+                                        "delete the output_dir's .work/tokens and re-run")
+                    at, n, where = at + got, n - got, where + got
+        finally:
+            os.close(fd)
+    else:
+        a = np.asarray(arr)
+        buf = np.concatenate([a[bs:be] for bs, be in zip(block_s.tolist(), block_e.tolist())])
     block_at = np.cumsum(block_e - block_s) - (block_e - block_s)   # block offsets in buf
     block_of = np.cumsum(new) - 1
     pos = np.empty_like(starts)
     pos[order] = block_at[block_of] + (s - block_s[block_of])
+    return buf, pos
+
+
+def read_ranges(arr: np.ndarray, starts, lens, gap_bytes: int = 4096) -> np.ndarray:
+    """``concatenate([arr[s:s + n] for s, n in zip(starts, lens)])``, read by `read_blocks`."""
+    lens = np.asarray(lens, np.int64)
+    buf, pos = read_blocks(arr, starts, lens, gap_bytes)
+    if not len(pos):
+        return buf
     first = np.cumsum(lens) - lens
     idx = np.arange(int(lens.sum())) - np.repeat(first - pos, lens)
     return buf[idx]
@@ -110,6 +129,8 @@ _ENCODER = None
 
 def _init_encoder(tokenizer_json: str, dtype: str) -> None:
     global _ENCODER
+    from data_prep.workers import init_worker_process
+    init_worker_process()
     # A fork()ed child must not use the Rust thread pool of its parent; each worker encodes
     # on one thread and the workers run side by side.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -210,16 +231,21 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     try:
         for ids, lens, flags in _encoded(sentences, tokenizer, dtype, batch_size, num_proc):
             write(ids, lens, flags)
-    except BaseException:
+        np.array([state["sentences"]], np.int64).tofile(fdoc)
         for f in (ftok, fsent, fdoc):
             f.close()
+    except BaseException as e:
+        for f in (ftok, fsent, fdoc):
+            try:
+                f.close()
+            except OSError:
+                pass
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):   # disk full while writing the tokenized corpus
+            raise os_error(e, "writing the tokenized corpus (.work/tokens)") from None
         raise
     finally:
         bar.close()
-    np.array([state["sentences"]], np.int64).tofile(fdoc)
-    for f in (ftok, fsent, fdoc):
-        f.close()
     if state["tokens"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise PrepError("the corpus holds no text (no sentence produced a token): check "

@@ -144,3 +144,76 @@ def test_text_and_documents_end_to_end(prep_compose, tmp_path):
     assert m["counts"]["num_documents"] == 5 and m["counts"]["num_sentences"] == 150
     assert m["splits"]["validation"]["num_instances"] == 0
     assert m["splits"]["train"]["num_instances"] > 50
+
+
+# ---- compressed corpus files -----------------------------------------------------------------
+PLAIN = "One.\nTwo.\n\nThree.\nFour.\nBZh91AY&SY is text here.\n"
+EXPECT = [["One.", "Two."], ["Three.", "Four.", "BZh91AY&SY is text here."]]
+
+
+def _compressors():
+    import bz2
+    import gzip
+    import lzma
+    found = {"gzip": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+    try:
+        import zstandard
+        found["zstd"] = zstandard.ZstdCompressor().compress
+    except ImportError:
+        pass
+    return found
+
+
+@pytest.mark.parametrize("kind", sorted(_compressors()))
+@pytest.mark.parametrize("name", ["corpus.{kind}", "misleading.txt", "no_extension"])
+def test_compressed_files_are_read_by_their_magic_bytes(tmp_path, kind, name):
+    path = tmp_path / name.format(kind=kind)
+    path.write_bytes(_compressors()[kind](PLAIN.encode()))
+    assert _docs(TextCorpusConfig(paths=[str(path)])) == EXPECT
+    assert _docs(DocumentsCorpusConfig(paths=[str(path)], document_per="blank_line")) == [
+        ["One.", "Two."], ["Three.", "Four.", "BZh91AY&SY is text here."]]
+
+
+def test_text_that_starts_like_a_magic_number_is_text(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("BZh9 is a bzip2 header.\n\nPK is a zip header.\n", encoding="utf-8")
+    assert _docs(TextCorpusConfig(paths=[str(path)])) == [["BZh9 is a bzip2 header."],
+                                                          ["PK is a zip header."]]
+
+
+def test_bad_compressed_and_archive_files_are_one_line_errors(tmp_path):
+    import gzip
+    import io
+    import tarfile
+    import zipfile
+    data = gzip.compress(PLAIN.encode() * 200)
+    (tmp_path / "truncated.gz").write_bytes(data[:len(data) // 2])
+    (tmp_path / "latin1.txt.gz").write_bytes(gzip.compress("Café crème.\n".encode("latin-1")))
+    with zipfile.ZipFile(tmp_path / "c.zip", "w") as z:
+        z.writestr("c.txt", PLAIN)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as t:
+        info = tarfile.TarInfo("c.txt")
+        info.size = len(PLAIN)
+        t.addfile(info, io.BytesIO(PLAIN.encode()))
+    (tmp_path / "c.tgz").write_bytes(buf.getvalue())
+    (tmp_path / "c.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)
+    cases = {
+        "truncated.gz": r"truncated\.gz: corrupt or truncated gzip data \(.*\): check it, "
+                        r"e\.g\. `gzip -t .*truncated\.gz`",
+        "latin1.txt.gz": r"latin1\.txt\.gz: not UTF-8 text \(gzip-compressed, invalid byte "
+                         r"0xe9 at line 1, byte 3\): convert it",
+        "c.zip": r"c\.zip is a zip archive, not text: extract it \(`unzip`\)",
+        "c.tgz": r"c\.tgz is a gzip-compressed tar archive, not text: extract it",
+    }
+    try:
+        import zstandard  # noqa: F401
+        cases["c.zst"] = r"c\.zst: corrupt or truncated zstd data"
+    except ImportError:
+        cases["c.zst"] = (r"c\.zst is zstd-compressed and the zstandard package is not "
+                          r"installed: decompress it \(`zstd -d .*c\.zst`\) or `pip install "
+                          r"zstandard`")
+    for name, pattern in cases.items():
+        with pytest.raises(PrepError, match=pattern) as e:
+            _docs(TextCorpusConfig(paths=[str(tmp_path / name)]))
+        assert "\n" not in str(e.value)

@@ -33,6 +33,10 @@ def test_cli_bad_inputs(tmp_path):
     out = tmp_path / "out"
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("Première ligne.\nCafé crème.\n".encode("latin-1"))
+    gz = tmp_path / "cut.txt.gz"
+    gz.write_bytes(__import__("gzip").compress(b"A line.\n" * 1000)[:40])
+    a_file = tmp_path / "a_file.txt"
+    a_file.write_text("not a directory\n")
     cases = [
         ([f"corpus=text", f"corpus.paths=[{tmp_path / 'nope.txt'}]"],
          r"no such file or directory: .*nope\.txt"),
@@ -45,6 +49,8 @@ def test_cli_bad_inputs(tmp_path):
         (["corpus=nope"], r"Could not find 'corpus/nope'; Available options in 'corpus': "
                           r"builtin, documents, hf, text"),
         (["max_seq_lenght=64"], r"Could not override 'max_seq_lenght'"),
+        (["corpus=text", f"corpus.paths=[{gz}]"],
+         r"cut\.txt\.gz: corrupt or truncated gzip data .*check it, e\.g\. `gzip -t"),
     ]
     for args, pattern in cases:
         p = cli(f"output_dir={out}", *args)
@@ -52,6 +58,13 @@ def test_cli_bad_inputs(tmp_path):
         assert not out.exists(), args
     p = cli()
     assert_one_line_error(p, r"output_dir is not set: pass output_dir=")
+    p = cli(f"output_dir={a_file}")
+    assert_one_line_error(p, r"output_dir='.*a_file\.txt' is an existing file, not a "
+                             r"directory: choose a directory path \(nothing was written\)")
+    p = cli(f"output_dir={a_file}/sub")
+    assert_one_line_error(p, r"a part of the path is a file, not a directory: choose another "
+                             r"output_dir")
+    assert a_file.read_text() == "not a directory\n"
 
 
 @pytest.mark.parametrize("setting, pattern", [
@@ -59,7 +72,7 @@ def test_cli_bad_inputs(tmp_path):
     ("masked_lm_prob=1", r"masked_lm_prob=1.0 must be in \(0, 1\)"),
     ("max_seq_length=7", r"max_seq_length=7 is too short"),
     ("max_predictions_per_seq=0", r"max_predictions_per_seq=0 must be in \[1, "),
-    ("dupe_factor=0", r"dupe_factor=0 must be >= 1"),
+    ("dupe_factor=0", r"dupe_factor=0 must be in \[1, 1000\]"),
     ("validation_fraction=0.7", r"validation_fraction=0.7 must be in"),
     ("tokenizer.vocab_size=10", r"vocab_size=10 is too small"),
     ("corpus.paths=[]", r"corpus.paths is empty"),
