@@ -81,6 +81,17 @@ def _typed(cfg: DictConfig, key: str, cls):
         raise ConfigError(str(exc)) from None
 
 
+def _finite(prefix: str, values: dict) -> None:
+    """inf and nan pass most range checks (inf > 0); no setting means either."""
+    import math
+
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{prefix}.{key} must be a finite number, got {value}")
+        if isinstance(value, list):
+            _finite(f"{prefix}.{key}", {str(i): v for i, v in enumerate(value)})
+
+
 def settings(cfg: DictConfig) -> Settings:
     """Validate the composed config; every problem becomes a one-line ConfigError."""
     for key in ("model", "data", "optim", "scheduler", "trainer", "logger"):
@@ -93,6 +104,9 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(str(exc).splitlines()[0]) from None
     if cfg.resume not in ("never", "auto") and not str(cfg.resume):
         raise ConfigError("resume must be never, auto or a checkpoint directory")
+    _finite("model", model)
+    for key in ("data", "optim", "scheduler", "trainer", "logger"):
+        _finite(key, OmegaConf.to_container(cfg[key], resolve=True))
     return Settings(
         model=model, impl=impl,
         data=_typed(cfg, "data", DataConfig),

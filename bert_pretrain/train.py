@@ -59,7 +59,15 @@ def _run(cfg: DictConfig) -> float:
             cfg.run_dir = HydraConfig.get().runtime.output_dir
             if cfg.logger.group is None:  # one wandb group per sweep unless one was chosen
                 cfg.logger.group = HydraConfig.get().sweep.dir
-        s = settings(cfg)
+        try:
+            s = settings(cfg)
+        except UserError:
+            if not multirun:  # (a sweep's summary lists failed members from their dirs)
+                from .trainer import remove_unused_run_dir
+
+                # Hydra made the run directory before the settings were checked
+                remove_unused_run_dir(str(HydraConfig.get().runtime.output_dir))
+            raise
         from .trainer import train
 
         return train(s, OmegaConf.to_container(cfg, resolve=True),

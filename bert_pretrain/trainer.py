@@ -710,7 +710,7 @@ def _has_results(run_dir: str) -> bool:
                for name in ("checkpoints", "metrics.jsonl", "wandb"))
 
 
-def _remove_unused_run_dir(run_dir: str) -> None:
+def remove_unused_run_dir(run_dir: str) -> None:
     """A run that failed before training leaves no directory behind (only what Hydra and the
     log wrote, never anything with results)."""
     if os.path.isdir(run_dir) and not _has_results(run_dir) and \
@@ -728,6 +728,6 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
 
         close_run_log()
         if not had_results:
-            _remove_unused_run_dir(s.run_dir)
+            remove_unused_run_dir(s.run_dir)
         raise
     return trainer.fit()
