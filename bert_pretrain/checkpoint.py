@@ -82,8 +82,12 @@ def latest_checkpoint(run_dir: str, verify: bool = True,
                       warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The newest checkpoint whose files match their checksums (resume=auto); a damaged one is
     skipped with a warning naming it (through `warn`, else once on stderr).  verify=False: the
-    newest complete-looking one."""
-    for _, path in reversed(list_checkpoints(run_dir)):
+    newest complete-looking one.
+
+    None when the run has no checkpoint; CheckpointError when it has some and all are damaged
+    (starting over would silently discard the run, and keep_last_k would then delete them)."""
+    found = list_checkpoints(run_dir)
+    for _, path in reversed(found):
         if not verify:
             return path
         try:
@@ -92,6 +96,10 @@ def latest_checkpoint(run_dir: str, verify: bool = True,
         except CheckpointError as exc:
             (warn or _warn_once)(f"bert-train: warning: skipping damaged checkpoint {path}: "
                                  f"{exc}; falling back to an earlier one")
+    if found and verify:
+        raise CheckpointError(
+            f"all {len(found)} checkpoint(s) in {checkpoints_root(run_dir)} are damaged (see the "
+            f"warnings above); restore them from a copy, or move them away to start over")
     return None
 
 

@@ -38,10 +38,10 @@ def _report(exc) -> int:
         str(failure.message.get("message", "")) if isinstance(failure.message, dict) else ""
     if failure.exitcode == 2:
         main = exc.failures.get(0)
-        # rank 0 writes its error file after printing: having one means the line is out
-        main_printed = main is not None and main.error_file_data.get("message") not in \
-            (None, "", "<NONE>")
-        if message and not main_printed:  # the main process never got to print the line
+        # rank 0 prints before it exits 2, and before it writes its error file
+        main_printed = main is not None and (main.exitcode == 2 or main.error_file_data.get(
+            "message") not in (None, "", "<NONE>"))
+        if message.startswith("bert-train: error:") and not main_printed:
             print(message, file=sys.stderr, flush=True)
         return 2
     if failure.exitcode < 0:

@@ -97,7 +97,12 @@ class Metrics:
         self.wandb = None
         self.wandb_dir = None
         if cfg.name == "wandb":
-            import wandb  # imported only when asked for: it is slow to import
+            try:
+                import wandb  # imported only when asked for: it is slow to import
+            except ImportError:
+                self.file.close()
+                raise ConfigError("logger=wandb needs the wandb package: pip install wandb, or "
+                                  "use logger=none") from None
 
             id_file = os.path.join(run_dir, "wandb_run_id")
             if os.path.isfile(id_file):

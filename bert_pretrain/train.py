@@ -7,6 +7,8 @@
 Returns the final held-out MLM loss, which Hydra's Optuna sweeper minimises.
 """
 
+import contextlib
+import io
 import os
 import sys
 
@@ -28,26 +30,29 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "conf", "train")
 
 
-def _fail(message: str) -> None:
-    """One line, exit 2.  Under a launcher (torchrun / accelerate launch) only the main process
-    prints it: every rank usually hits the same error, and N copies of the line scrolled away
-    under the launcher's report helped nobody.  Every rank also leaves the message in torch
-    elastic's error file, so the launcher's summary (and `python -m bert_pretrain.launch`) shows
-    it when only another rank failed."""
-    main = os.environ.get("RANK", "0") == "0"
-    if main:  # first: an error file from rank 0 then means its line is on the screen
-        print(f"bert-train: error: {message}", file=sys.stderr, flush=True)
+def _leave_error_file(line: str) -> None:
+    """torch elastic's per-process error file: the launcher's failure report shows its message
+    (and `python -m bert_pretrain.launch` prints it when the main process could not)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
+    if error_file and line:
         import json
         import time
 
         try:
             with open(error_file, "w", encoding="utf-8") as f:
-                json.dump({"message": f"bert-train: error: {message}",
-                           "timestamp": int(time.time())}, f)
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
         except OSError:
             pass
+
+
+def _fail(message: str) -> None:
+    """One line, exit 2.  Under a launcher (torchrun / accelerate launch) only the main process
+    prints it: every rank usually hits the same error, and N copies of the line scrolled away
+    under the launcher's report helped nobody.  Every rank also leaves it in its error file."""
+    line = f"bert-train: error: {message}"
+    if os.environ.get("RANK", "0") == "0":  # first: an error file from rank 0 then means the
+        print(line, file=sys.stderr, flush=True)  # line is on the screen
+    _leave_error_file(line)
     sys.exit(2)
 
 
@@ -107,8 +112,22 @@ def _suggest(exc: Exception) -> str:
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # hparams_search configs set hydra.mode=MULTIRUN: their sweep syntax is not an error
-    precheck("bert-train", CONF_DIR, "train", sys.argv[1:], suggest=_suggest,
-             skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
+    # Under a launcher every rank checks the same command line: only the main one says so,
+    # the others leave the line in their error file.
+    main_process = os.environ.get("RANK", "0") == "0"
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            precheck("bert-train", CONF_DIR, "train", sys.argv[1:], suggest=_suggest,
+                     skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
+    except SystemExit:
+        if main_process:
+            sys.stderr.write(captured.getvalue())
+            sys.stderr.flush()
+        _leave_error_file(captured.getvalue().strip())
+        raise
+    if main_process:
+        sys.stderr.write(captured.getvalue())
     _run()
 
 

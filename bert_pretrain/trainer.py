@@ -527,7 +527,7 @@ class Trainer:
             return
         self.nonfinite += 1
         if self.nonfinite >= max(self.tc.max_nonfinite_steps, 1):
-            last = ckpt.latest_checkpoint(self.run_dir)
+            last = ckpt.latest_checkpoint(self.run_dir, verify=False)
             raise TrainingError(
                 f"the loss or gradient norm was non-finite for {self.nonfinite} consecutive "
                 f"steps (step {self.step}); last good checkpoint: {last or 'none'}; lower "
@@ -608,7 +608,7 @@ class Trainer:
             # Never label a poisoned state a checkpoint: resume=auto would pick it.
             raise TrainingError(
                 f"the weights hold inf/nan at step {self.step}; not saving them; last good "
-                f"checkpoint: {ckpt.latest_checkpoint(self.run_dir) or 'none'}"
+                f"checkpoint: {ckpt.latest_checkpoint(self.run_dir, verify=False) or 'none'}"
             )
         acc, tc = self.accelerator, self.tc
         path = ckpt.save_checkpoint(

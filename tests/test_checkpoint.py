@@ -185,7 +185,10 @@ def test_checkpoint_without_checksums_is_not_trusted(tmp_path):
     json.dump(state, open(file, "w"))
     with pytest.raises(CheckpointError, match="no checksums"):
         ckpt.verify_checkpoint(path)
-    assert ckpt.latest_checkpoint(str(tmp_path / "run")) is None
+    # its only checkpoint is unusable: resume=auto must not quietly start the run over
+    with pytest.raises(CheckpointError, match=r"all 1 checkpoint\(s\) in .* are damaged"):
+        ckpt.latest_checkpoint(str(tmp_path / "run"))
+    assert ckpt.latest_checkpoint(str(tmp_path / "empty")) is None
 
 
 def test_killed_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path):

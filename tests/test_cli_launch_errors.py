@@ -61,12 +61,18 @@ BAD = "resume=" + "/nonexistent/step-00000001"
 
 
 @pytest.mark.slow
-def test_bert_launch_user_error_is_one_line_exit_2(tmp_path):
-    r = _launch(tmp_path, "bert_pretrain.launch", BAD)
+@pytest.mark.parametrize("bad, expected", [
+    (BAD, f"bert-train: error: {BAD}: no such checkpoint directory; use resume=auto or a "
+          f"<run_dir>/checkpoints/step-XXXXXXXX path"),  # found in training set-up
+    ("trainer.max_step=3", "bert-train: error: Could not override 'trainer.max_step'; Key "
+                           "'max_step' not in 'TrainerConfig'; did you mean trainer.max_steps? "
+                           "(see conf/ for the keys and options)"),  # found in the precheck
+])
+def test_bert_launch_user_error_is_one_line_exit_2(tmp_path, bad, expected):
+    r = _launch(tmp_path, "bert_pretrain.launch", bad)
     out = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2, r.stdout + r.stderr
-    assert out == [f"bert-train: error: {BAD}: no such checkpoint directory; use resume=auto "
-                   f"or a <run_dir>/checkpoints/step-XXXXXXXX path"], out
+    assert out == [expected], out
 
 
 @pytest.mark.slow

@@ -115,8 +115,8 @@ def test_cuda_rng_saves_and_restores_the_current_device_only(monkeypatch):
         raise AssertionError("must not touch every device's generator")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": torch.tensor([7],
-                                                                                         dtype=torch.uint8))
+    saved = torch.tensor([7], dtype=torch.uint8)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": saved)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": calls.append(s))
     monkeypatch.setattr(torch.cuda, "get_rng_state_all", all_devices)
     monkeypatch.setattr(torch.cuda, "set_rng_state_all", all_devices)
