@@ -433,7 +433,7 @@ def test_optuna_wall_clock_budget_search_bert_train(prepared, tmp_path):
         train = [x for x in logs if "elapsed_s" in x]
         # The budget ended the run (far below the max_steps bound), at the first step past it
         # (a property of the loop, not of the machine's speed: no timing bound here).
-        assert train[-1]["elapsed_s"] >= budget_s and train[-2]["elapsed_s"] < budget_s
+        assert train[-1]["elapsed_s"] >= budget_s and train[-2]["elapsed_s"] <= budget_s  # (2 decimals)
         assert int(row["step"]) < 10_000
 
 
