@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
+from .cli_errors import fail
 from .errors import UserError
 
 PROG = "bert-attention"
@@ -95,8 +95,7 @@ def main(argv=None) -> None:
         out = plot_attention(maps, tokens, layers, heads, args.out,
                              f"attention of {source}")
     except UserError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(PROG, str(exc))
     print(f"{PROG}: wrote {out} ({len(layers)} layer(s) x {len(heads)} head(s), "
           f"{len(tokens)} tokens)")
 

@@ -21,6 +21,7 @@ import shutil
 import sys
 import tempfile
 
+from .cli_errors import fail
 from .errors import UserError
 
 # transformers ties these to the word embeddings / `cls.predictions.bias` and does not save them.
@@ -115,8 +116,7 @@ def main(argv=None) -> None:
     try:
         used = export(args.source, args.out_dir)
     except UserError as exc:
-        print(f"bert-export: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail("bert-export", str(exc))
     print(f"bert-export: exported {used} to {args.out_dir} (transformers "
           f"BertForPreTraining/BertForMaskedLM/AutoModel.from_pretrained load it)")
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
+from .cli_errors import fail
 from .errors import UserError
 
 PROG = "bert-predict"
@@ -173,8 +173,7 @@ def main(argv=None) -> None:
                     print()
                 (_print_fill if args.task == "fill-mask" else _print_nsp)(result)
     except UserError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(PROG, str(exc))
 
 
 if __name__ == "__main__":

@@ -21,10 +21,10 @@ import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .cli_errors import fail
 from .errors import UserError
 
 PROG = "bert-report"
@@ -332,8 +332,7 @@ def main(argv=None) -> None:
     try:
         path = report(args.run_dirs, args.out)
     except UserError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        fail(PROG, str(exc))
     out = os.path.dirname(path)
     print(f"{PROG}: wrote {path}, {os.path.join(out, 'curves_steps.png')} and "
           f"{os.path.join(out, 'curves_tokens.png')}")

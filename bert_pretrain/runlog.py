@@ -1,9 +1,10 @@
 """The run's console record: every message bert-train prints also goes, timestamped, to
 `<run_dir>/train.log`, so a run that was watched by nobody can be read afterwards.
 
-Messages go through the `bert_pretrain` logger. On the main process it prints them to stdout as
-they are (warnings to stderr; through tqdm, so a progress bar is not torn) and appends them to train.log; on the
-other processes it prints only warnings and errors, prefixed with the rank.
+Messages go through the `bert_pretrain` logger. On the main process it prints them as they are
+(information to stdout, warnings to stderr; through tqdm, so a progress bar is not torn) and
+appends them to train.log; on the other processes it prints only warnings and errors, prefixed
+with the rank.
 """
 
 import logging

@@ -34,7 +34,7 @@ MIXED_PRECISION = ("no", "bf16", "fp16")
 
 @dataclass
 class TrainerConfig:
-    """`conf/train/trainer/`: how long and in what batches to train, and when to evaluate and save."""
+    """`conf/train/trainer/`: how long and in what batches to train, when to evaluate, save."""
 
     max_steps: int = 1000
     """Optimizer steps (an upper bound in budget mode)."""

@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import shutil
-import sys
 import time
 from typing import Iterator, Optional
 

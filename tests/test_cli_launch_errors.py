@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from train_support import REPO, run_bert_train, write_prepared
+from train_support import REPO, write_prepared
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
 
@@ -66,7 +66,8 @@ BAD = "resume=" + "/nonexistent/step-00000001"
           f"<run_dir>/checkpoints/step-XXXXXXXX path"),  # found in training set-up
     ("trainer.max_step=3", "bert-train: error: Could not override 'trainer.max_step'; Key "
                            "'max_step' not in 'TrainerConfig'; did you mean trainer.max_steps? "
-                           "(see conf/ for the keys and options)"),  # found in the precheck
+                           "(see `bert-train --help` or conf/train/ for the keys and "
+                           "options)"),  # found in the precheck
 ])
 def test_bert_launch_user_error_is_one_line_exit_2(tmp_path, bad, expected):
     r = _launch(tmp_path, "bert_pretrain.launch", bad)

@@ -11,7 +11,7 @@ import pytest
 from safetensors.torch import load_file
 
 from test_distributed import TOL, run, train_accelerate, train_records, train_torchrun
-from train_support import REPO, write_prepared
+from train_support import write_prepared
 
 # Dropout off: masks are drawn per micro-batch, so with dropout the splits differ by design.
 SETTINGS = ["trainer.max_steps=8", "trainer.global_batch_size=16", "trainer.eval_every=0",

@@ -6,7 +6,6 @@ whose MLM head saw no context would still lower it by learning the word frequenc
 import os
 
 import numpy as np
-import pytest
 import torch
 
 from train_support import train_in_process, write_context_prepared

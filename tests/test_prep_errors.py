@@ -38,7 +38,7 @@ def test_cli_bad_inputs(tmp_path):
     a_file = tmp_path / "a_file.txt"
     a_file.write_text("not a directory\n")
     cases = [
-        ([f"corpus=text", f"corpus.paths=[{tmp_path / 'nope.txt'}]"],
+        (["corpus=text", f"corpus.paths=[{tmp_path / 'nope.txt'}]"],
          r"no such file or directory: .*nope\.txt"),
         (["corpus=text", f"corpus.paths=[{latin1}]"],
          r"latin1\.txt: not UTF-8 text \(invalid byte 0xe8 at line 1, byte 5\): convert it"),
