@@ -332,9 +332,10 @@ def clean_partial(run_dir: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def read_train_state(path: str) -> dict:
-    """The train state of checkpoint `path`, after verifying all its files' checksums."""
-    return verify_checkpoint(path)
+def read_train_state(path: str, verify: bool = True) -> dict:
+    """The train state of checkpoint `path`, after verifying all its files' checksums
+    (verify=False: for a checkpoint another process has just verified)."""
+    return verify_checkpoint(path) if verify else _read_json(path)
 
 
 def check_compatible(path: str, state: dict, model_config: dict,

@@ -341,7 +341,9 @@ class Trainer:
         if source and self.hf_state is not None and not self.resume_path:
             self.raw_model.load_state_dict(self.hf_state, strict=True)
         elif source:
-            saved = ckpt.read_train_state(source)  # verified (once per process: cached)
+            # resume: the main process verified it (find_resume) and told the others; an
+            # init_from checkpoint is verified by every process before it loads the weights
+            saved = ckpt.read_train_state(source, verify=not self.resume_path)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
                                   self.data.tokenizer_sha256)
             ckpt.load_weights(source, self.raw_model)
@@ -380,7 +382,10 @@ class Trainer:
 
         if self.saved_config is None:
             return
-        changes = changed_settings(self.saved_config, self.resolved_config)
+        from .redact import redact
+
+        # (the saved config.yaml is redacted: compare like with like, print no secret)
+        changes = changed_settings(self.saved_config, redact(self.resolved_config))
         if changes:
             lr_change = self._lr_change(self.saved_config)
             self.log.warning(f"bert-train: warning: resuming {self.resume_path} with changed "
