@@ -717,10 +717,16 @@ def _has_results(run_dir: str) -> bool:
 
 def remove_unused_run_dir(run_dir: str) -> None:
     """A run that failed before training leaves no directory behind (only what Hydra and the
-    log wrote, never anything with results)."""
-    if os.path.isdir(run_dir) and not _has_results(run_dir) and \
-            set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
-        shutil.rmtree(run_dir, ignore_errors=True)
+    log wrote, never anything with results). Under a launcher the main process does it, and
+    the others must not race it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        if os.path.isdir(run_dir) and not _has_results(run_dir) and \
+                set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    except OSError:  # cleaning up is a courtesy: never let it hide the real error
+        pass
 
 
 def train(s, resolved_config: dict, config_yaml: str) -> float:
