@@ -56,19 +56,15 @@ def export(source: str, out_dir: str) -> str:
     from safetensors.torch import save_file
 
     from . import checkpoint as ckpt
-    from .model import BertConfig, BertForPreTraining
-    from .model_loading import resolve_checkpoint
+    from .model import BertForPreTraining
+    from .model_loading import checkpoint_config, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file; choose a new output directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} exists and is not empty; choose a new output directory")
     checkpoint_dir = resolve_checkpoint(source)
-    state = ckpt.read_train_state(checkpoint_dir)
-    try:
-        config = BertConfig.from_dict(state["model_config"])
-    except (KeyError, ValueError) as exc:
-        raise UserError(f"cannot export {checkpoint_dir}: {exc}") from None
+    config = checkpoint_config(checkpoint_dir)
     representable(config)
     hf_config = config.to_hf_dict()
     model = BertForPreTraining(config)

@@ -49,6 +49,18 @@ def resolve_checkpoint(path: str) -> str:
     return path
 
 
+def checkpoint_config(checkpoint: str):
+    """The BertConfig of one of our checkpoints (its files verified on the way)."""
+    from . import checkpoint as ckpt
+    from .model import BertConfig
+
+    state = ckpt.read_train_state(checkpoint)
+    try:
+        return BertConfig.from_dict(state["model_config"])
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint}: unreadable model config ({exc})") from None
+
+
 def load_model(path: str) -> LoadedModel:
     """Our BertForPreTraining from a run dir, a checkpoint or a transformers directory."""
     from . import checkpoint as ckpt
@@ -62,12 +74,7 @@ def load_model(path: str) -> LoadedModel:
         tokenizer = path if _has_tokenizer(path) else None
         return LoadedModel(model.eval(), tokenizer, path)
     checkpoint = resolve_checkpoint(path)
-    state = ckpt.read_train_state(checkpoint)
-    try:
-        config = BertConfig.from_dict(state["model_config"])
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"{checkpoint}: unreadable model config ({exc})") from None
-    model = BertForPreTraining(config, ModelImpl())
+    model = BertForPreTraining(checkpoint_config(checkpoint), ModelImpl())
     ckpt.load_weights(checkpoint, model)
     tokenizer = os.path.join(checkpoint, "tokenizer")
     return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) else None, checkpoint)
