@@ -9,10 +9,18 @@ useful work (real tokens, labelled positions) against this machine's torch.mm pe
 the same run.  Process CPU time per step is recorded too: with `--threads 1` its ratios barely
 move when other jobs share the machine, unlike wall-clock ones.
 
-    python bench/bench_model.py                             # CPU: BERT-mini (32), BERT-base (8)
-    python bench/bench_model.py --presets bert_tiny:32 bert_small:32 --steps 3
-    python bench/bench_model.py --device cuda               # GPU: bf16 autocast, fused attention
+Both models run in one process with the process settings bert-train uses on CPU (OpenMP
+threads that wait passively, freed memory kept warm: bert_pretrain/cpu_runtime.py), so what
+those settings gain, they gain for transformers too; `--runs N` repeats everything N times and
+prints the median over runs with the min-max spread; the load from other processes during each
+run is recorded (cores busy outside this process, from /proc/stat).
+
+    python bench/bench_model.py --runs 3                    # CPU: the README table
+    python bench/bench_model.py --presets bert_tiny:32 bert_small:32:512 --steps 3
+    python bench/bench_model.py --compete                   # + one run beside a busy process
     python bench/bench_model.py --variants                  # also time our speed switches off
+    python bench/bench_model.py --compile                   # also time torch.compile'd ours
+    python bench/bench_model.py --device cuda               # GPU: bf16 autocast, fused attention
 """
 
 from __future__ import annotations
@@ -20,16 +28,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bert_pretrain.cpu_runtime import (bf16_units, keep_freed_memory,  # noqa: E402
+                                       prefer_passive_omp_wait)
+
+prefer_passive_omp_wait()  # as bert-train: before torch loads libgomp
+
+import torch  # noqa: E402
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl  # noqa: E402
 
@@ -48,7 +63,9 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours-no-fast-dropout": {"fast_dropout": False},
     "ours-no-sparse-last": {"sparse_last_layer": False},
     "ours-no-sparse": {"sparse_prediction": False},
+    "ours-no-varlen": {"varlen_attention": False},
 }
+IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
 
 
 def load_preset(name: str, vocab_size: int) -> BertConfig:
@@ -132,12 +149,47 @@ def build_models(cfg: BertConfig, names: list[str], device: str, seed: int):
             hf_cfg = transformers.BertConfig(**cfg.to_hf_dict())
             model = transformers.BertForPreTraining._from_config(hf_cfg, attn_implementation="sdpa")
         else:
-            model = BertForPreTraining(cfg, dataclasses.replace(ModelImpl(), **VARIANTS[name]))
+            switches = VARIANTS.get(name, {})
+            model = BertForPreTraining(cfg, dataclasses.replace(ModelImpl(), **switches))
         model.load_state_dict(weights, strict=True)
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+        if name == "ours-compiled":
+            # dynamic: the unpadded token count changes every batch
+            model = torch.compile(model, dynamic=True)
         models[name] = (model, opt)
     return models
+
+
+class OtherLoad:
+    """CPU cores kept busy by other processes while a measurement runs: all busy time in
+    /proc/stat minus this process's own CPU time, per second of wall time (Linux only)."""
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        idle = fields[3] + fields[4]  # idle + iowait
+        tick = os.sysconf("SC_CLK_TCK")
+        return (sum(fields) - idle) / tick, time.process_time(), time.perf_counter()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end))
+        return max(busy - own, 0.0) / wall
+
+
+def start_competitor() -> subprocess.Popen:
+    """One busy single-threaded process: a machine shared with one other job."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[float, float]:
@@ -153,19 +205,26 @@ def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[floa
     return time.perf_counter() - t, time.process_time() - c
 
 
-def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> list[dict]:
+def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
+              peaks) -> list[dict]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     cfg = load_preset(preset, args.vocab_size)
     names = ["ours", "transformers"]
-    if args.variants:
-        names += [v for v in VARIANTS if v != "ours"]  # one at a time off (or on) from default
+    if args.variants:  # one at a time off (or on) from the default
+        names += [v for v, switches in VARIANTS.items()
+                  if v != "ours" and set(switches) <= IMPL_FIELDS]
+    if args.compile:
+        names.append("ours-compiled")
     models = build_models(cfg, names, args.device, args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     times = {n: [] for n in names}
     cpu_times = {n: [] for n in names}
     tokens, flops = [], []
+    load = OtherLoad()
     for step in range(args.warmup + args.steps):
-        batch = make_batch(batch_size, args.seq_len, cfg.vocab_size, gen, args.device)
+        if step == args.warmup:
+            load = OtherLoad()
+        batch = make_batch(batch_size, seq_len, cfg.vocab_size, gen, args.device)
         order = names if step % 2 == 0 else names[::-1]  # alternate who goes first
         for name in order:
             model, opt = models[name]
@@ -176,6 +235,7 @@ def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> lis
         if step >= args.warmup:
             tokens.append(batch["attention_mask"].sum().item())
             flops.append(step_flops(cfg, batch))
+    other_cores = load.cores()
     del models
     mean_tokens, mean_flops = statistics.mean(tokens), statistics.mean(flops)
     rows = []
@@ -185,21 +245,35 @@ def bench_one(preset: str, batch_size: int, dtype_name: str, args, peaks) -> lis
         t = statistics.median(times[name])
         cpu = statistics.median(cpu_times[name])
         rows.append(dict(
-            preset=preset, batch_size=batch_size, seq_len=args.seq_len, dtype=dtype_name,
+            preset=preset, batch_size=batch_size, seq_len=seq_len, dtype=dtype_name,
             model=name, median_step_s=t, step_times_s=times[name],
             median_cpu_s=cpu, cpu_times_s=cpu_times[name],
             tokens_per_s=mean_tokens / t, speedup_vs_transformers=base / t,
             cpu_speedup_vs_transformers=base_cpu / cpu,
             useful_tflops_per_step=mean_flops / 1e12,
             mfu=mean_flops / t / peaks[dtype_name],
+            other_load_cores=other_cores, loadavg_1min_after=os.getloadavg()[0],
         ))
     return rows
+
+
+def parse_spec(spec: str, default_seq: int) -> tuple[str, int, int]:
+    parts = spec.split(":")
+    if len(parts) not in (2, 3) or parts[0] not in PRESET_SIZES:
+        sys.exit(f"error: --presets takes NAME:BATCH[:SEQ] with NAME one of "
+                 f"{', '.join(PRESET_SIZES)}; got {spec!r}")
+    try:
+        numbers = [int(x) for x in parts[1:]]
+    except ValueError:
+        sys.exit(f"error: --presets {spec!r}: BATCH and SEQ must be integers")
+    return parts[0], numbers[0], numbers[1] if len(numbers) == 2 else default_seq
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--presets", nargs="+", default=None,
-                   help="NAME:BATCH pairs (default: bert_mini:32 bert_base:8)")
+                   help="NAME:BATCH[:SEQ] (default CPU: bert_mini:32 bert_base:8 bert_mini:8:512 "
+                        "bert_base:2:512; SEQ defaults to --seq-len)")
     p.add_argument("--dtypes", nargs="+", default=None, choices=["fp32", "bf16"],
                    help="default: fp32 bf16 on CPU, bf16 on CUDA")
     p.add_argument("--device", default="cpu")
@@ -207,56 +281,128 @@ def main(argv=None) -> None:
     p.add_argument("--vocab-size", type=int, default=30522)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole measurement; the summary is the median over runs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (CPU); 1 gives CPU-time ratios that hold up on "
                         "a machine shared with other jobs")
     p.add_argument("--variants", action="store_true",
                    help="also time our model with each speed switch turned off")
+    p.add_argument("--compile", action="store_true",
+                   help="also time our model under torch.compile (inductor, dynamic shapes)")
+    p.add_argument("--compete", action="store_true",
+                   help="after the quiet runs, one more run beside a busy single-threaded "
+                        "process (a machine shared with another job)")
+    p.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc's allocator as it is (bert-train keeps freed memory)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "model.json"))
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         sys.exit("error: --device cuda given but torch sees no CUDA device")
-    presets = args.presets or (["bert_mini:128", "bert_base:64"] if cuda
-                               else ["bert_mini:32", "bert_base:8"])
+    specs = args.presets or (["bert_mini:128", "bert_base:64", "bert_base:16:512"] if cuda else
+                             ["bert_mini:32", "bert_base:8", "bert_mini:8:512", "bert_base:2:512"])
+    specs = [parse_spec(spec, args.seq_len) for spec in specs]
     dtypes = args.dtypes or (["bf16"] if cuda else ["fp32", "bf16"])
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 stays fp32 on both sides
     if args.threads:
         torch.set_num_threads(args.threads)
+    kept = not cuda and not args.system_malloc and keep_freed_memory()
 
-    peaks = {"fp32": matmul_peak(args.device, torch.float32),
-             "bf16": matmul_peak(args.device, torch.bfloat16)}
-    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    print(f"device: {args.device} ({device_name}), threads: {torch.get_num_threads()}, "
+    device_name = torch.cuda.get_device_name() if cuda else _cpu_name()
+    print(f"device: {args.device} ({device_name}; bf16 units: {bf16_units() or 'none'}), "
+          f"threads: {torch.get_num_threads()}, OMP_WAIT_POLICY="
+          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}, freed memory kept: {kept}, "
           f"torch {torch.__version__}")
-    print(f"torch.mm 2048^3 peak: fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, "
-          f"bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s")
+    runs = []
+    plan = [("quiet", i) for i in range(args.runs)] + ([("compete", 0)] if args.compete else [])
+    for kind, index in plan:
+        competitor = start_competitor() if kind == "compete" else None
+        try:
+            peaks = {"fp32": matmul_peak(args.device, torch.float32),
+                     "bf16": matmul_peak(args.device, torch.bfloat16)}
+            print(f"run {index + 1} ({kind}): torch.mm 2048^3 fp32 {peaks['fp32'] / 1e9:,.0f} "
+                  f"GFLOP/s, bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s", flush=True)
+            rows = []
+            for preset, batch_size, seq_len in specs:
+                for dtype_name in dtypes:
+                    new = bench_one(preset, batch_size, seq_len, dtype_name, args, peaks)
+                    _print_rows(new)
+                    rows += new
+        finally:
+            if competitor is not None:
+                competitor.kill()
+                competitor.wait()
+        runs.append(dict(kind=kind, matmul_peak_flops=peaks, results=rows))
 
-    rows = []
-    for spec in presets:
-        preset, batch_size = spec.split(":")
-        for dtype_name in dtypes:
-            rows += bench_one(preset, int(batch_size), dtype_name, args, peaks)
-            _print_rows([r for r in rows if r["preset"] == preset and r["dtype"] == dtype_name])
-
+    quiet = [r for r in runs if r["kind"] == "quiet"]
+    summary = summarise(quiet)
+    if len(quiet) > 1:
+        print(f"\nmedian of {len(quiet)} runs (min-max):")
+        _print_summary(summary)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        device=args.device, device_name=device_name, threads=torch.get_num_threads(),
-        torch=torch.__version__, matmul_peak_flops=peaks, seq_len=args.seq_len,
-        warmup=args.warmup, steps=args.steps, results=rows), indent=2))
+        device=args.device, device_name=device_name, bf16_units=bf16_units(),
+        threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        freed_memory_kept=kept, torch=torch.__version__, seq_len=args.seq_len,
+        warmup=args.warmup, steps=args.steps, runs=runs, summary=summary), indent=2))
     print(f"wrote {out}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    """Per (preset, batch, seq, dtype, model): median and min-max over runs of each run's
+    median step time, tokens/s, speedup and MFU; the matmul peaks and other-process load too."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        for r in run["results"]:
+            key = (r["preset"], r["batch_size"], r["seq_len"], r["dtype"], r["model"])
+            groups.setdefault(key, []).append({**r, "peak": run["matmul_peak_flops"][r["dtype"]]})
+    out = []
+    for (preset, batch, seq, dtype, model), rows in groups.items():
+        entry = dict(preset=preset, batch_size=batch, seq_len=seq, dtype=dtype, model=model,
+                     runs=len(rows))
+        for field in ("median_step_s", "tokens_per_s", "speedup_vs_transformers", "mfu", "peak",
+                      "other_load_cores"):
+            values = [r[field] for r in rows if r.get(field) is not None]
+            if values:
+                entry[field] = statistics.median(values)
+                entry[field + "_range"] = [min(values), max(values)]
+        out.append(entry)
+    return out
 
 
 def _print_rows(rows: list[dict]) -> None:
     for r in rows:
-        print(f"{r['preset']:>11} b{r['batch_size']:<3} {r['dtype']:>4} {r['model']:>18}  "
-              f"step {r['median_step_s']:7.3f} s  {r['tokens_per_s']:9,.0f} tok/s  "
-              f"x{r['speedup_vs_transformers']:5.2f}  MFU {100 * r['mfu']:5.1f}%  "
-              f"(cpu {r['median_cpu_s']:6.2f} s, x{r['cpu_speedup_vs_transformers']:4.2f})",
-              flush=True)
+        load = r.get("other_load_cores")
+        print(f"{r['preset']:>11} b{r['batch_size']:<3} L{r['seq_len']:<4}{r['dtype']:>5} "
+              f"{r["model"]:>20}  step {r['median_step_s']:7.3f} s  {r['tokens_per_s']:8,.0f} "
+              f"tok/s  x{r['speedup_vs_transformers']:5.2f}  MFU {100 * r['mfu']:5.1f}%  "
+              f"(cpu x{r['cpu_speedup_vs_transformers']:4.2f}"
+              f"{'' if load is None else f', other load {load:.2f} cores'})", flush=True)
+
+
+def _print_summary(rows: list[dict]) -> None:
+    for r in rows:
+        lo, hi = r["speedup_vs_transformers_range"]
+        tlo, thi = r["tokens_per_s_range"]
+        print(f"{r['preset']:>11} b{r['batch_size']:<3} L{r['seq_len']:<4}{r['dtype']:>5} "
+              f"{r["model"]:>20}  {r['tokens_per_s']:8,.0f} tok/s ({tlo:,.0f}-{thi:,.0f})  "
+              f"x{r['speedup_vs_transformers']:.2f} ({lo:.2f}-{hi:.2f})  "
+              f"MFU {100 * r['mfu']:.0f}% of {r['peak'] / 1e9:,.0f} GFLOP/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,18 @@ import io
 import os
 import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from .cpu_runtime import prefer_passive_omp_wait
 
-from .cli_errors import precheck
-from .config import register, settings
-from .errors import UserError
+prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads it on load)
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from .cli_errors import precheck  # noqa: E402
+from .config import register, settings  # noqa: E402
+from .errors import UserError  # noqa: E402
 
 register()
 # conf/train/ (bert-train's own config root, so --help lists only its groups) sits next to the

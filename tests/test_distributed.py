@@ -25,6 +25,7 @@ ACCELERATE_CONFIGS = REPO / "conf" / "accelerate"
 TOL = 1e-5
 # The smoke experiment's tiny model; log every step, checkpoint at step 3 and 6.
 COMMON = ["experiment=smoke", "trainer.max_steps=6", "trainer.global_batch_size=8",
+          "trainer.mixed_precision=no",  # auto is bf16 on some CPUs; TOL is an fp32 tolerance
           "trainer.log_every=1", "trainer.eval_every=3", "trainer.checkpoint_every=3",
           "trainer.keep_last_k=5", "trainer.progress_bar=false"]
 

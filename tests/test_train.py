@@ -84,7 +84,7 @@ def test_user_errors_are_one_line_exit_2(tmp_path, synthetic):
         (["experiment=smoke", f"data.dir={synthetic}", "trainer.max_stepz=3"],
          "did you mean trainer.max_steps?"),
         (["experiment=smoke", f"data.dir={synthetic}", "trainer.mixed_precision=fp8"],
-         "trainer.mixed_precision must be one of no, bf16, fp16"),
+         "trainer.mixed_precision must be one of auto, no, bf16, fp16"),
         (["experiment=smoke", f"data.dir={synthetic}", "optim=sgd"],
          "Available options in 'optim'"),
     ]

@@ -212,7 +212,8 @@ def test_the_step_and_evaluation_hooks_reproduce_fit(tmp_path, synthetic):
     logged = [r for r in read_metrics(tmp_path / "fit") if "loss" in r]
     evaluated = [r for r in read_metrics(tmp_path / "fit") if "eval_mlm_loss" in r][-1]
 
-    cfg = compose(base(synthetic, tmp_path / "hand", "trainer.max_steps=3"))
+    cfg = compose(base(synthetic, tmp_path / "hand", "trainer.max_steps=3",
+                       "trainer.mixed_precision=no"))  # as train_in_process pins it
     trainer = Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
     try:
         results = [trainer.train_step() for _ in range(3)]
@@ -258,3 +259,56 @@ def test_init_from_a_transformers_directory_continues_its_training(tmp_path, syn
     (source / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(64)) + "\n")
     with pytest.raises(DataError, match="vocabulary differs .* bert-prep tokenizer.vocab_file="):
         train_in_process(base(synthetic, tmp_path / "other", f"trainer.init_from={source}"))
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def test_auto_precision_is_bf16_only_where_the_cpu_has_bf16_units(tmp_path, synthetic,
+                                                                   monkeypatch):
+    """trainer.mixed_precision=auto resolves on this machine, says so at start-up, and the
+    resolved value is what the checkpoint's config.yaml keeps (a resume elsewhere names it)."""
+    from omegaconf import OmegaConf
+
+    import bert_pretrain.cpu_runtime as cpu_runtime
+
+    for units, expected in (("AVX512-BF16", "bf16"), (None, "no")):
+        monkeypatch.setattr(cpu_runtime, "bf16_units", lambda units=units: units)
+        run_dir = tmp_path / f"auto-{expected}"
+        train_in_process(base(synthetic, run_dir, "trainer.max_steps=2", "trainer.warmup_steps=0",
+                              "trainer.mixed_precision=auto", "trainer.checkpoint_every=2"))
+        log = (run_dir / "train.log").read_text()
+        if expected == "bf16":
+            assert ("precision bf16 autocast (fp32 weights and optimizer state) (auto: this CPU "
+                    "has AVX512-BF16 matrix instructions)") in log
+        else:
+            assert "precision fp32 (auto: this CPU has no bf16 matrix instructions" in log
+        saved = OmegaConf.load(run_dir / "checkpoints" / "step-00000002" / "config.yaml")
+        assert saved.trainer.mixed_precision == expected
+
+
+def test_resolve_precision_keeps_explicit_settings():
+    from bert_pretrain.cpu_runtime import resolve_precision
+
+    for setting in ("no", "bf16", "fp16"):
+        assert resolve_precision(setting, on_cuda=False)[0] == setting
+
+
+def test_entry_point_sets_passive_omp_wait_before_torch_loads():
+    """libgomp reads OMP_WAIT_POLICY once, when torch loads it: bert-train must set it first,
+    and leave a user's own choice alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, os; import bert_pretrain.train; "
+            "print(os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    order = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line]
+    assert order.index("bert_pretrain.cpu_runtime") < order.index("torch")
+    env["OMP_WAIT_POLICY"] = "ACTIVE"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "ACTIVE"

@@ -1,0 +1,86 @@
+"""Process-wide CPU settings that decide how fast a training step runs, and the precision choice.
+
+Three things, each measured with bench/bench_model.py (README, "Benchmarks"):
+
+- OpenMP threads that wait passively.  torch's intra-op threads meet at a barrier after every
+  parallel op; by default a thread that arrives first spins.  On a machine where another
+  process wants a core, the spinning thread takes the core the late thread needs, and a
+  BERT-base step went from 2.8 s to 7.3 s (2 threads, one busy process beside them); sleeping
+  at the barrier (OMP_WAIT_POLICY=PASSIVE) made it 3.5 s, for ~5% on a quiet machine at
+  BERT-mini (many small ops) and nothing measurable at BERT-base.  libgomp reads the variable
+  when torch loads it, so the entry points call `prefer_passive_omp_wait()` before importing
+  torch; an OMP_WAIT_POLICY already in the environment wins (ACTIVE on a dedicated machine).
+- Freed memory kept in the process.  glibc returns every block over its mmap threshold
+  (at most 32 MB) to the kernel when it is freed, so the word-embedding gradient, its bf16
+  copy and other big per-step tensors come back as fresh pages, each first touch a page fault:
+  a 94 MB zero-fill took 20 ms instead of 3.  `keep_freed_memory()` turns off mmap and trimming
+  (mallopt), so the heap keeps its pages: ~25% off a bf16 BERT-base step.  The price: the
+  process's resident memory stays at its peak instead of shrinking between steps.
+- bf16 matrix units.  bf16 autocast pays on CPUs with AMX-BF16 or AVX512-BF16 instructions
+  (torch.mm 4-5x the fp32 rate there) and costs elsewhere; `resolve_precision("auto")` picks it
+  only where the units are.
+
+Nothing here imports torch at module level: `prefer_passive_omp_wait` must run before it loads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+def prefer_passive_omp_wait() -> None:
+    """Before torch is imported: OpenMP threads sleep at barriers unless the user chose."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def keep_freed_memory() -> bool:
+    """glibc only: serve every allocation from the heap and never trim it, so freed pages are
+    reused warm. Returns whether the setting took (False on other C libraries)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # mallopt returns 1 on success. Trim threshold: the largest value it accepts.
+        ok = libc.mallopt(_M_MMAP_MAX, 0) == 1
+        return ok and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def bf16_units() -> str | None:
+    """The CPU's bf16 matrix instructions as torch sees them ("AMX-BF16", "AVX512-BF16"), or
+    None when bf16 matmuls would be emulated (slower than fp32)."""
+    import torch
+
+    cpu = getattr(torch, "cpu", None)
+    checks = (("AMX-BF16", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
+    for name, check in checks:
+        try:
+            if getattr(cpu, check)():
+                return name
+        except (AttributeError, RuntimeError):
+            continue
+    return None
+
+
+def resolve_precision(setting: str, on_cuda: bool) -> tuple[str, str]:
+    """(precision, why) for trainer.mixed_precision; `setting` other than auto is kept as is."""
+    if setting != "auto":
+        return setting, f"trainer.mixed_precision={setting}"
+    import torch
+
+    if on_cuda:
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "auto: this GPU supports bf16"
+        return "no", "auto: this GPU has no bf16 support"
+    units = bf16_units()
+    if units:
+        return "bf16", f"auto: this CPU has {units} matrix instructions"
+    return "no", "auto: this CPU has no bf16 matrix instructions (bf16 would be emulated)"
