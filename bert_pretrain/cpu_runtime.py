@@ -4,12 +4,12 @@ Three things, each measured with bench/bench_model.py (README, "Benchmarks"):
 
 - OpenMP threads that wait passively.  torch's intra-op threads meet at a barrier after every
   parallel op; by default a thread that arrives first spins.  On a machine where another
-  process wants a core, the spinning thread takes the core the late thread needs, and a
-  BERT-base step went from 2.8 s to 7.3 s (2 threads, one busy process beside them); sleeping
-  at the barrier (OMP_WAIT_POLICY=PASSIVE) made it 3.5 s, for ~5% on a quiet machine at
-  BERT-mini (many small ops) and nothing measurable at BERT-base.  libgomp reads the variable
-  when torch loads it, so the entry points call `prefer_passive_omp_wait()` before importing
-  torch; an OMP_WAIT_POLICY already in the environment wins (ACTIVE on a dedicated machine).
+  process wants a core, the spinning thread takes the core the late thread needs: with one
+  busy process beside a 2-thread run, a BERT-base fp32 step took 6.7 s spinning and 5.2 s
+  sleeping at the barrier (OMP_WAIT_POLICY=PASSIVE), a BERT-mini step 1.63 s and 1.15 s, for
+  up to ~5% on a quiet machine.  libgomp reads the variable when torch loads it, so the entry
+  points call `prefer_passive_omp_wait()` before importing torch; an OMP_WAIT_POLICY already
+  in the environment wins (ACTIVE on a dedicated machine).
 - Freed memory kept in the process.  glibc returns every block over its mmap threshold
   (at most 32 MB) to the kernel when it is freed, so the word-embedding gradient, its bf16
   copy and other big per-step tensors come back as fresh pages, each first touch a page fault:

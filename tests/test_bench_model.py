@@ -1,0 +1,45 @@
+"""bench/bench_model.py end to end on a tiny preset: what the README's speed table is made of
+(runs, their median and spread, the competing-process run, the load it records)."""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytest.importorskip("transformers")
+
+
+def test_runs_summary_and_competing_process(tmp_path):
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:4:32", "--dtypes", "fp32", "--warmup", "1", "--steps", "2",
+                        "--runs", "3", "--compete", "--vocab-size", "512", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "median of 3 runs (min-max):" in r.stdout
+    result = json.loads(out.read_text())
+    assert [run["kind"] for run in result["runs"]] == ["quiet", "quiet", "quiet", "compete"]
+    assert result["omp_wait_policy"] and result["runs"][0]["matmul_peak_flops"]["fp32"] > 0
+    ours = [row for row in result["summary"] if row["model"] == "ours"]
+    assert len(ours) == 1 and ours[0]["runs"] == 3 and ours[0]["seq_len"] == 32
+    per_run = [row["tokens_per_s"] for run in result["runs"][:3] for row in run["results"]
+               if row["model"] == "ours"]
+    assert ours[0]["tokens_per_s"] == pytest.approx(statistics.median(per_run))
+    assert ours[0]["tokens_per_s_range"] == [min(per_run), max(per_run)]
+    base = next(row for row in result["summary"] if row["model"] == "transformers")
+    assert base["speedup_vs_transformers"] == 1.0
+    # the busy process shows up as load from other processes during the competing run only
+    compete = result["runs"][3]["results"][0]["other_load_cores"]
+    assert compete > 0.3, compete
+
+
+def test_bad_preset_spec_is_one_line():
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiyn:4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1].startswith("error: --presets takes NAME:BATCH[:SEQ]")
