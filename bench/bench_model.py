@@ -15,7 +15,7 @@ those settings gain, they gain for transformers too; `--runs N` repeats everythi
 prints the median over runs with the min-max spread; the load from other processes during each
 run is recorded (cores busy outside this process, from /proc/stat).
 
-    python bench/bench_model.py --runs 3                    # CPU: the README table
+    python bench/bench_model.py --runs 3 --compete --variants ours-no-varlen  # README table
     python bench/bench_model.py --presets bert_tiny:32 bert_small:32:512 --steps 3
     python bench/bench_model.py --compete                   # + one run beside a busy process
     python bench/bench_model.py --variants                  # also time our speed switches off
@@ -213,9 +213,10 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     cfg = load_preset(preset, args.vocab_size)
     names = ["ours", "transformers"]
-    if args.variants:  # one at a time off (or on) from the default
+    if args.variants is not None:  # one at a time off (or on) from the default
         names += [v for v, switches in VARIANTS.items()
-                  if v != "ours" and set(switches) <= IMPL_FIELDS]
+                  if v != "ours" and (not args.variants or v in args.variants)
+                  and set(switches) <= IMPL_FIELDS]
     if args.compile:
         names.append("ours-compiled")
     models = build_models(cfg, names, args.device, args.seed)
@@ -290,8 +291,10 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (CPU); 1 gives CPU-time ratios that hold up on "
                         "a machine shared with other jobs")
-    p.add_argument("--variants", action="store_true",
-                   help="also time our model with each speed switch turned off")
+    p.add_argument("--variants", nargs="*", default=None, choices=[v for v in VARIANTS
+                                                                    if v != "ours"],
+                   help="also time our model with speed switches flipped: the names given, or "
+                        "all of them")
     p.add_argument("--compile", action="store_true",
                    help="also time our model under torch.compile (inductor, dynamic shapes)")
     p.add_argument("--compete", action="store_true",

@@ -30,6 +30,7 @@ class BertSelfAttention(nn.Module):
         self.fused_qkv = impl.fused_qkv
         self.attention_impl = impl.attention
         self.fast_dropout = impl.fast_dropout
+        self.varlen = impl.varlen_attention
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
@@ -81,9 +82,58 @@ class BertSelfAttention(nn.Module):
         k, v = (layout.to_heads(proj(hidden), h) for proj in (self.key, self.value))
         return q, k, v
 
+    def _attend(self, q, k, v, bias, key_mask, key_bias, explicit: bool):
+        """softmax(q k^T / sqrt(d) + bias + mask) v on one grid; returns (context, probs)."""
+        dropout_p = self.dropout_prob if self.training else 0.0
+        if explicit:
+            # Scale q (L x d) rather than the scores (L x L); add the mask bias in place.
+            scores = torch.matmul(q * (1.0 / math.sqrt(self.head_size)), k.transpose(-1, -2))
+            if bias is not None:
+                scores = scores + bias
+            if key_mask is not None:
+                scores = scores.add_(key_bias(scores.dtype))
+            probs = torch.softmax(scores, dim=-1)
+            return torch.matmul(dropout(probs, dropout_p, self.training, self.fast_dropout),
+                                v), probs
+        mask = key_mask
+        if bias is not None:
+            mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+
+    def _explicit(self, output_attentions: bool, device: torch.device) -> bool:
+        # On CPU, SDPA with dropout runs the unfused math path anyway; the explicit path does the
+        # same work with the cheaper dropout (and one fewer pass for the mask).
+        dropout_p = self.dropout_prob if self.training else 0.0
+        return (output_attentions or self.attention_impl == "eager"
+                or (dropout_p > 0 and self.fast_dropout and device.type == "cpu"))
+
+    def _forward_varlen(self, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Attention on real tokens only: each length group on its own grid (TokenLayout)."""
+        h = self.num_heads
+        if self.fused_qkv:
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            q, k, v = F.linear(hidden, weight, bias).chunk(3, dim=-1)
+        else:
+            q, k, v = (proj(hidden) for proj in (self.query, self.key, self.value))
+        explicit = self._explicit(False, hidden.device)
+        groups = layout.attention_groups(h)
+        contexts = []
+        for group in groups:
+            qg, kg, vg = (layout.group_to_heads(x, group, h) for x in (q, k, v))
+            bias = None
+            if self.position_embedding_type != "absolute":
+                bias = self._relative_bias(qg, kg)
+            context, _ = self._attend(qg, kg, vg, bias, group.key_mask, group.key_bias, explicit)
+            contexts.append(context)
+        return layout.groups_from_heads(contexts, groups)
+
     def forward(self, hidden: torch.Tensor, layout: TokenLayout,
                 output_attentions: bool = False, subset: QuerySubset | None = None):
         """Context for every token in `layout` order, or for `subset.rows` only ([R, H])."""
+        if (self.varlen and subset is None and not output_attentions and layout.unpadded
+                and layout.lengths is not None and layout.key_mask is not None):
+            return self._forward_varlen(hidden, layout), None
         if subset is None:
             q, k, v = self._project(hidden, layout)
         else:
@@ -91,26 +141,8 @@ class BertSelfAttention(nn.Module):
         bias = None
         if self.position_embedding_type != "absolute":
             bias = self._relative_bias(q, k, None if subset is None else subset.positions)
-        dropout_p = self.dropout_prob if self.training else 0.0
-        # On CPU, SDPA with dropout runs the unfused math path anyway; the explicit path does the
-        # same work with the cheaper dropout (and one fewer pass for the mask).
-        explicit = (output_attentions or self.attention_impl == "eager"
-                    or (dropout_p > 0 and self.fast_dropout and q.device.type == "cpu"))
-        probs = None
-        if explicit:
-            # Scale q (L x d) rather than the scores (L x L); add the mask bias in place.
-            scores = torch.matmul(q * (1.0 / math.sqrt(self.head_size)), k.transpose(-1, -2))
-            if bias is not None:
-                scores = scores + bias
-            if layout.key_mask is not None:
-                scores = scores.add_(layout.key_bias(scores.dtype))
-            probs = torch.softmax(scores, dim=-1)
-            context = torch.matmul(dropout(probs, dropout_p, self.training, self.fast_dropout), v)
-        else:
-            mask = layout.key_mask
-            if bias is not None:
-                mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-            context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        explicit = self._explicit(output_attentions, q.device)
+        context, probs = self._attend(q, k, v, bias, layout.key_mask, layout.key_bias, explicit)
         if subset is None:
             context = layout.from_heads(context)
         else:

@@ -163,6 +163,10 @@ class ModelImpl:
     unpad: bool = True
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
     attention product itself."""
+    varlen_attention: bool = True
+    """With unpad: attention runs on real tokens only. Sequences are grouped by length (a
+    small cost model picks the groups) and each group is attended on its own grid padded to
+    its longest sequence, instead of every sequence padded to the batch's length."""
     fused_qkv: bool = False
     """One [3H, H] projection for query/key/value instead of three (same parameters). Off by
     default: ~4% slower on CPU (bench/bench_model.py), where the split/permute copies cost more
@@ -177,8 +181,8 @@ class ModelImpl:
     explicit softmax(QK^T)V path (always used when attention maps are requested)."""
 
     def __post_init__(self) -> None:
-        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "fused_qkv", "fast_dropout",
-                     "gradient_checkpointing"):
+        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "varlen_attention",
+                     "fused_qkv", "fast_dropout", "gradient_checkpointing"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
         _check(
