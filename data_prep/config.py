@@ -99,15 +99,33 @@ class HFCorpusConfig:
 
 @dataclass
 class BuiltinCorpusConfig:
-    """Documentation shipped with Python: pydoc topics and standard-library docstrings."""
+    """Documentation shipped with Python: pydoc topics and standard-library docstrings, and
+    optionally the docstrings of installed packages (`packages`)."""
     include_topics: bool = True
     include_docstrings: bool = True
+    packages: list = field(default_factory=list)
+    """Top-level names of installed packages whose modules' docstrings are added, one document
+    per module (e.g. [torch]: 5 MB of English for torch 2.13), read with `ast`, never imported."""
     source: str = "builtin"
 
     def __post_init__(self):
-        if not (self.include_topics or self.include_docstrings):
+        if isinstance(self.packages, str):
+            self.packages = [self.packages]
+        if not isinstance(self.packages, (list, tuple)) or \
+                not all(isinstance(p, str) and p for p in self.packages):
+            raise PrepError(f"corpus.packages must be a list of package names, got "
+                            f"{self.packages!r}: pass e.g. corpus.packages='[torch]'")
+        from data_prep.builtin_corpus import package_dir
+
+        for name in self.packages:
+            if not name.isidentifier():
+                raise PrepError(f"corpus.packages: {name!r} is not a top-level package name "
+                                f"(e.g. torch, numpy)")
+            package_dir(name)  # not installed: one line now, before any work
+        self.packages = list(self.packages)
+        if not (self.include_topics or self.include_docstrings or self.packages):
             raise PrepError("the builtin corpus is empty: set corpus.include_topics=true or "
-                            "corpus.include_docstrings=true")
+                            "corpus.include_docstrings=true, or name corpus.packages")
 
 
 CORPUS_CONFIGS = {"text": TextCorpusConfig, "documents": DocumentsCorpusConfig,

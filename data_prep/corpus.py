@@ -304,7 +304,8 @@ def read_hf(cfg: HFCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sent
 
 def read_builtin(cfg: BuiltinCorpusConfig, exclude: Optional[str] = None) -> Iterator[Sentence]:
     from data_prep.builtin_corpus import builtin_documents
-    for doc in builtin_documents(cfg.include_topics, cfg.include_docstrings):
+    for doc in builtin_documents(cfg.include_topics, cfg.include_docstrings,
+                                 tuple(cfg.packages)):
         yield from _sentences_of_document(doc)
 
 
@@ -324,5 +325,8 @@ def fingerprint(cfg, exclude: Optional[str] = None) -> dict:
                           for p in files]}
     if cfg.source == "builtin":
         import sys
-        return {"python": sys.version.split()[0]}
+
+        from data_prep.builtin_corpus import package_version
+        return {"python": sys.version.split()[0],
+                **{f"package {name}": package_version(name) for name in cfg.packages}}
     return {}

@@ -59,6 +59,35 @@ def test_builtin_corpus_is_real_english():
     assert len(_docs(BuiltinCorpusConfig(include_docstrings=False))) < 200
 
 
+def test_builtin_corpus_adds_installed_packages_docstrings(tmp_path, monkeypatch):
+    """corpus.packages: every module of the package with a docstring is one document, its
+    doctest lines left out, its tests/ skipped; nothing is imported (a module that would raise
+    on import is read all the same)."""
+    from data_prep.corpus import fingerprint
+
+    pkg = tmp_path / "fakedocs"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "tests").mkdir()
+    (pkg / "__init__.py").write_text('"""The package. It has two sentences."""\n'
+                                     'raise RuntimeError("never imported")\n')
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "tools.py").write_text(
+        'def f():\n    """Return the answer.\n\n    >>> f() == 42\n    """\n    return 42\n')
+    (pkg / "tests" / "test_x.py").write_text('"""A test module, not prose."""\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = BuiltinCorpusConfig(include_topics=False, include_docstrings=False,
+                              packages=["fakedocs"])
+    assert _docs(cfg) == [["The package.", "It has two sentences."], ["Return the answer."]]
+    assert fingerprint(cfg)["package fakedocs"] == ""  # no distribution metadata: no version
+    with_stdlib = _docs(BuiltinCorpusConfig(include_topics=False, packages=["fakedocs"]))
+    assert len(with_stdlib) > 100 and with_stdlib[-1] == ["Return the answer."]
+    for bad, message in ((["no_such_pkg_xyz"], "'no_such_pkg_xyz' is not an installed package"),
+                         (["os.path"], "is not a top-level package name"),
+                         ([3], "must be a list of package names")):
+        with pytest.raises(PrepError, match=message):
+            BuiltinCorpusConfig(packages=bad)
+
+
 @pytest.fixture(scope="module")
 def rows():
     # 6 documents of paragraph text.
