@@ -40,6 +40,14 @@ class TrainConfig:
     resume: str = "never"
     """never: start fresh (refused if run_dir already has checkpoints); auto: continue from the
     newest valid checkpoint in run_dir if any; or a path to a step-XXXXXXXX directory."""
+    objective: str = "eval_mlm_loss"
+    """The final held-out metric bert-train returns, which a sweeper optimises: one of
+    OBJECTIVES (eval_loss = eval_mlm_loss + eval_nsp_loss; set the sweeper's direction to
+    maximize for an accuracy)."""
+
+
+OBJECTIVES = ("eval_mlm_loss", "eval_nsp_loss", "eval_loss", "eval_mlm_accuracy",
+              "eval_mlm_accuracy_masked", "eval_nsp_accuracy", "eval_nsp_accuracy_balanced")
 
 
 def register() -> None:
@@ -61,6 +69,7 @@ class Settings:
     seed: int
     run_dir: str
     resume: str
+    objective: str = "eval_mlm_loss"
 
 
 def _typed(cfg: DictConfig, key: str, cls):
@@ -104,6 +113,9 @@ def settings(cfg: DictConfig) -> Settings:
         raise ConfigError(str(exc).splitlines()[0]) from None
     if cfg.resume not in ("never", "auto") and not str(cfg.resume):
         raise ConfigError("resume must be never, auto or a checkpoint directory")
+    objective = str(cfg.get("objective", "eval_mlm_loss"))
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
     _finite("model", model)
     for key in ("data", "optim", "scheduler", "trainer", "logger"):
         _finite(key, OmegaConf.to_container(cfg[key], resolve=True))
@@ -115,5 +127,5 @@ def settings(cfg: DictConfig) -> Settings:
         trainer=_typed(cfg, "trainer", TrainerConfig),
         logger=_typed(cfg, "logger", LoggerConfig),
         name=str(cfg.name), seed=int(cfg.seed), run_dir=str(cfg.run_dir),
-        resume=str(cfg.resume),
+        resume=str(cfg.resume), objective=objective,
     )

@@ -12,42 +12,64 @@ def model_inputs(batch: dict, device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, accelerator, batches, progress=None) -> dict:
+def evaluate(model, accelerator, batches, progress=None, mask_id=None) -> dict:
     """Token-weighted MLM loss/accuracy and NSP loss/accuracy over the held-out batches.
 
     Sums are reduced over processes, so the result is the same for any number of processes.
-    `progress`: an optional tqdm bar advanced once per batch.
+    `progress`: an optional tqdm bar advanced once per batch.  With `mask_id` (the [MASK]
+    token), also the accuracy on the positions the input shows as [MASK] (80% of those
+    predicted): the 10% left unchanged are answered by copying the input, which a model learns
+    long before it uses the context, so the overall accuracy flatters an early model.
+    `eval_nsp_accuracy_balanced` is the mean of the accuracies on true-next and on random-next
+    pairs: the accuracy the split would give if it held both in equal numbers (held-out
+    documents are few, and short ones give more random-next pairs, so a split can be 56/44).
     """
     was_training = model.training
     model.eval()
-    sums = torch.zeros(6, dtype=torch.float64, device=accelerator.device)
+    sums = torch.zeros(12, dtype=torch.float64, device=accelerator.device)
     for batch in batches:
         inputs = model_inputs(batch, accelerator.device)
         with accelerator.autocast():
             out = model(**inputs)
+        keep = inputs["labels"].reshape(-1) != -100
+        # (sparse rows are the labelled positions in row-major order, as this selection)
+        shown = inputs["input_ids"].reshape(-1)[keep]
         if out.mlm_labels is not None:  # sparse: rows are the labelled positions
             logits, labels = out.prediction_logits, out.mlm_labels
         else:
-            labels = inputs["labels"].reshape(-1)
-            keep = labels != -100
-            logits = out.prediction_logits.reshape(labels.shape[0], -1)[keep]
-            labels = labels[keep]
+            labels = inputs["labels"].reshape(-1)[keep]
+            logits = out.prediction_logits.reshape(keep.shape[0], -1)[keep]
+        right = logits.argmax(-1) == labels
+        masked = shown == mask_id if mask_id is not None else torch.zeros_like(right)
         nsp_logits, nsp_labels = out.seq_relationship_logits, inputs["next_sentence_label"]
+        nsp_labels = nsp_labels.reshape(-1)
+        nsp_right = nsp_logits.argmax(-1) == nsp_labels
+        random_next = nsp_labels == 1
         sums += torch.stack([
             F.cross_entropy(logits.float(), labels, reduction="sum").double(),
-            (logits.argmax(-1) == labels).sum().double(),
+            right.sum().double(),
             torch.tensor(labels.numel(), dtype=torch.float64, device=sums.device),
             F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum").double(),
-            (nsp_logits.argmax(-1) == nsp_labels).sum().double(),
+            nsp_right.sum().double(),
             torch.tensor(nsp_labels.numel(), dtype=torch.float64, device=sums.device),
+            (right & masked).sum().double(), masked.sum().double(),
+            (nsp_right & ~random_next).sum().double(), (~random_next).sum().double(),
+            (nsp_right & random_next).sum().double(), random_next.sum().double(),
         ])
         if progress is not None:
             progress.update(1)
     sums = accelerator.reduce(sums, reduction="sum")
     model.train(was_training)
     mlm_n, nsp_n = max(sums[2].item(), 1.0), max(sums[5].item(), 1.0)
-    return {"eval_mlm_loss": sums[0].item() / mlm_n, "eval_mlm_accuracy": sums[1].item() / mlm_n,
-            "eval_nsp_loss": sums[3].item() / nsp_n, "eval_nsp_accuracy": sums[4].item() / nsp_n}
+    result = {"eval_mlm_loss": sums[0].item() / mlm_n,
+              "eval_mlm_accuracy": sums[1].item() / mlm_n,
+              "eval_nsp_loss": sums[3].item() / nsp_n,
+              "eval_nsp_accuracy": sums[4].item() / nsp_n,
+              "eval_nsp_accuracy_balanced": 0.5 * (sums[8].item() / max(sums[9].item(), 1.0) +
+                                                   sums[10].item() / max(sums[11].item(), 1.0))}
+    if mask_id is not None:
+        result["eval_mlm_accuracy_masked"] = sums[6].item() / max(sums[7].item(), 1.0)
+    return result
 
 
 def majority_baseline(data, split_name: str) -> float:

@@ -1,12 +1,13 @@
 """Optimizers (AdamW, LAMB) with BERT's parameter groups, and learning-rate schedules that follow
 either the step count or elapsed wall-clock time (a training budget, as in Cramming)."""
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
-SCHEDULES = ("linear", "polynomial", "constant")
+SCHEDULES = ("linear", "polynomial", "cosine", "constant")
 
 
 @dataclass
@@ -45,10 +46,14 @@ class SchedulerConfig:
 
     name: str = "linear"
     """linear: decay linearly to end_lr_ratio; polynomial: (1 - progress) ** power (NVIDIA's
-    BERT recipe uses power 0.5); constant: flat after warmup."""
+    BERT recipe uses power 0.5); cosine: half a cosine wave down to end_lr_ratio; constant:
+    flat after warmup."""
     power: float = 1.0
     end_lr_ratio: float = 0.0
     """The learning rate at the end of training, as a fraction of optim.lr."""
+    hold_fraction: float = 0.0
+    """Stay at the peak for this fraction of the time after warmup, then decay over the rest
+    (0: decay from the peak, as BERT; 0.8: a trapezoid / warmup-stable-decay schedule)."""
     decay_from: str = "warmup_end"
     """Where the decay's progress counts from. warmup_end: 0 at the end of warmup, so the decay
     starts at the peak (Google's BERT, transformers); start: step / max_steps over all steps, as
@@ -66,6 +71,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduler.power must be > 0, got {self.power}")
         if not 0.0 <= self.end_lr_ratio <= 1.0:
             raise ValueError(f"scheduler.end_lr_ratio must be in [0, 1], got {self.end_lr_ratio}")
+        if not 0.0 <= self.hold_fraction < 1.0:
+            raise ValueError(f"scheduler.hold_fraction must be in [0, 1), got "
+                             f"{self.hold_fraction}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,9 +176,15 @@ def build_optimizer(cfg: OptimConfig, named_params) -> torch.optim.Optimizer:
 def schedule_shape(cfg: SchedulerConfig, progress: float) -> float:
     """LR factor after warmup, for decay progress in [0, 1]."""
     q = min(max(progress, 0.0), 1.0)
-    if cfg.name == "constant":
+    if cfg.name == "constant" or q <= cfg.hold_fraction:
         return 1.0
-    remaining = 1.0 - q if cfg.name == "linear" else (1.0 - q) ** cfg.power
+    q = (q - cfg.hold_fraction) / (1.0 - cfg.hold_fraction)
+    if cfg.name == "linear":
+        remaining = 1.0 - q
+    elif cfg.name == "cosine":
+        remaining = 0.5 * (1.0 + math.cos(math.pi * q))
+    else:
+        remaining = (1.0 - q) ** cfg.power
     return cfg.end_lr_ratio + (1.0 - cfg.end_lr_ratio) * remaining
 
 

@@ -43,7 +43,8 @@ PLOT_FILE = "summary.png"
 # The value the training entry point returned to the sweeper (what Optuna optimises).
 OBJECTIVE = "objective"
 # Metric columns shown in the stdout table after the ranked metric (when a trial has them).
-TABLE_METRICS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy", "step")
+TABLE_METRICS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy",
+                 "eval_nsp_accuracy_balanced", "step")
 
 
 class SweepSummaryError(ValueError):

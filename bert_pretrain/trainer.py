@@ -58,6 +58,23 @@ class TrainerConfig:
     steps with inf/nan gradients are skipped). Weights and optimizer state stay fp32."""
     max_grad_norm: Optional[float] = 1.0
     """Clip the global gradient norm to this; null = no clipping."""
+    nsp_loss_weight: float = 1.0
+    """The step's gradient is that of mlm_loss + nsp_loss_weight x nsp_loss (BERT: 1). The
+    logged `loss` stays mlm_loss + nsp_loss, so runs with different weights compare."""
+    attention_locality: float = 0.0
+    """A training-time start for attention (0 = off: BERT all along). Head h of every layer
+    adds -attention_locality * 2^-h * |i - j| to its scores (ALiBi's form; not for the [CLS]
+    query, which reads the whole input for NSP; only the first
+    attention_locality_heads share of the heads), at full strength until attention_locality_hold
+    of training, fading linearly to nothing at attention_locality_end; after it the model is a
+    plain BERT, and evaluations always score it without the bias (what an export computes).
+    From scratch, a BERT predicts only frequent tokens until some head attends to the
+    neighbours of a masked token, which takes thousands of steps; this start skips that wait
+    (README, "Learning check"). Training progress counts steps, or time with budget_hours."""
+    attention_locality_hold: float = 0.2
+    attention_locality_end: float = 0.45
+    attention_locality_heads: float = 1.0
+    """Share of each layer's heads (the first ones) that get the bias; the others stay free."""
     log_every: int = 10
     eval_every: int = 0
     """Evaluate on the held-out split every N steps (0 = only at the end)."""
@@ -102,12 +119,36 @@ class TrainerConfig:
                              f"{', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("trainer.max_grad_norm must be > 0 or null")
+        if not self.nsp_loss_weight >= 0:
+            raise ValueError(f"trainer.nsp_loss_weight must be >= 0, got {self.nsp_loss_weight}")
+        if not self.attention_locality >= 0:
+            raise ValueError(f"trainer.attention_locality must be >= 0 (0 = off), got "
+                             f"{self.attention_locality}")
+        if not 0.0 <= self.attention_locality_hold <= self.attention_locality_end <= 1.0:
+            raise ValueError(f"trainer.attention_locality_hold ({self.attention_locality_hold}) "
+                             f"and attention_locality_end ({self.attention_locality_end}) must "
+                             f"satisfy 0 <= hold <= end <= 1 (shares of training)")
+        if not 0.0 < self.attention_locality_heads <= 1.0:
+            raise ValueError(f"trainer.attention_locality_heads must be in (0, 1], got "
+                             f"{self.attention_locality_heads}")
         if self.budget_hours is not None and self.warmup_steps is None and self.warmup_ratio:
             raise ValueError("trainer.budget_hours measures the run in time, so there is no step "
                              "count to take trainer.warmup_ratio of; set trainer.warmup_steps")
         if self.warmup >= self.max_steps and self.budget_hours is None:
             raise ValueError(f"trainer.warmup_steps ({self.warmup}) must be below "
                              f"trainer.max_steps ({self.max_steps})")
+
+    def locality_strength(self, step: int, elapsed: float) -> float:
+        """The share of attention_locality in force at this point of training (1 -> 0)."""
+        if not self.attention_locality:
+            return 0.0
+        progress = (elapsed / (self.budget_hours * 3600) if self.budget_hours is not None
+                    else step / self.max_steps)
+        if progress < self.attention_locality_hold:
+            return 1.0
+        span = self.attention_locality_end - self.attention_locality_hold
+        return 0.0 if span <= 0 else max(0.0, 1.0 - (progress - self.attention_locality_hold)
+                                         / span)
 
     @property
     def warmup(self) -> int:
@@ -438,7 +479,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> float:
-        """Train until max_steps or the budget; returns the final held-out MLM loss."""
+        """Train until max_steps or the budget; returns the final held-out `objective` (by
+        default the MLM loss)."""
         tc = self.tc
         self._start_loop()
         try:
@@ -494,6 +536,7 @@ class Trainer:
         lr = self.s.optim.lr * self.schedule.factor(self.step, self.elapsed)
         set_lr(self.optimizer, lr)
         self.lr = lr
+        self._set_locality(tc.locality_strength(self.step, self.elapsed))
         batches = self.stream.next_step()
         # The global batch's counts, known before any forward pass: the normalisers of its loss.
         counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
@@ -513,7 +556,7 @@ class Trainer:
                 out = self.model(**inputs, loss_reduction="sum")
                 # x world: DDP averages gradients over processes, the global batch sums them.
                 acc.backward(out.mlm_loss * (self.world / num_mlm) +
-                             out.nsp_loss * (self.world / num_nsp))
+                             out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp))
             sums[:2] += torch.stack([out.mlm_loss.detach(), out.nsp_loss.detach()]).double()
         sums[2] = float(self.stop is not None and self.stop.requested)
         if self.world > 1:
@@ -534,6 +577,18 @@ class Trainer:
                             sums[2].item() > 0)
         self._count_nonfinite(result)
         return result
+
+    def _set_locality(self, strength: float) -> None:
+        """The attention locality bias at `strength` (0: none, the plain model)."""
+        self.locality = strength
+        heads = self.model_cfg.num_attention_heads
+        local = max(1, round(self.tc.attention_locality_heads * heads))
+        slopes = None if strength == 0 else [
+            strength * self.tc.attention_locality * 2.0 ** -h if h < local else 0.0
+            for h in range(heads)]
+        if slopes != getattr(self, "_locality_slopes", None):
+            self.raw_model.set_attention_locality(slopes)
+            self._locality_slopes = slopes
 
     def _grad_norm(self) -> Optional[float]:
         """The global gradient norm (after DDP's all-reduce), clipped to max_grad_norm if set."""
@@ -577,7 +632,9 @@ class Trainer:
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
         if self.bar is not None:
             self.bar.update(min(round(self.elapsed), round(budget)) - self.bar.n if budget else 1)
-        if self.step % tc.log_every and self.step != tc.max_steps:
+        # The last step is logged whatever its number (a budget ends anywhere), so the final
+        # record carries the run's total time and tokens.
+        if self.step % tc.log_every and not (self._finished() or result.stop_requested):
             return
         now = time.perf_counter()
         n = max(self.window[3].item(), 1.0)
@@ -589,6 +646,8 @@ class Trainer:
                   "elapsed_s": round(self.elapsed, 2)}
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
+        if tc.attention_locality:
+            record["attention_locality"] = round(self.locality * tc.attention_locality, 6)
         if self.window[3].item() == 0:  # every step of the window was skipped (non-finite)
             record.update(loss=None, mlm_loss=None, nsp_loss=None)
         if self.nonfinite:
@@ -611,6 +670,8 @@ class Trainer:
 
         tc, split = self.tc, self.data.split(self.s.data.eval_split)
         size = tc.eval_batch_size or self.micro
+        training_locality = getattr(self, "locality", 0.0)
+        self._set_locality(0.0)  # score the model an export computes
         total = split.num_instances if tc.eval_max_samples is None else \
             min(tc.eval_max_samples, split.num_instances)
         bar = tqdm(total=len(range(self.rank * size, total, self.world * size)), desc="eval",
@@ -618,14 +679,17 @@ class Trainer:
                    disable=not (self.main and tc.progress_bar))
         result = evaluate(self.accelerator.unwrap_model(self.model), self.accelerator,
                           eval_batches(self.data, self.s.data, size, self.world, self.rank,
-                                       tc.eval_max_samples), progress=bar)
+                                       tc.eval_max_samples), progress=bar,
+                          mask_id=self.data.special.get("mask"))
         bar.close()
-        self.metrics.log({"step": self.step, **result})
+        self._set_locality(training_locality)
+        self.metrics.log({"step": self.step, **result, "elapsed_s": round(self.elapsed, 2)})
         if intermediate:
             self.log.info(f"bert-train: step {self.step}: held-out MLM loss "
                           f"{result['eval_mlm_loss']:.4f}, MLM accuracy "
-                          f"{result['eval_mlm_accuracy']:.4f}, NSP accuracy "
-                          f"{result['eval_nsp_accuracy']:.4f}")
+                          f"{result['eval_mlm_accuracy']:.4f} ([MASK] positions "
+                          f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}), "
+                          f"NSP accuracy {result['eval_nsp_accuracy']:.4f}")
         self.last_eval = (self.step, result)
         return result
 
@@ -706,7 +770,9 @@ class Trainer:
                 f"bert-train: {state} at step {self.step}; eval at step {self.last_eval[0]}: "
                 f"MLM loss {result['eval_mlm_loss']:.4f}, MLM accuracy "
                 f"{result['eval_mlm_accuracy']:.4f} (always predicting the most frequent token: "
-                f"{baseline:.4f}), NSP accuracy {result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
+                f"{baseline:.4f}; at [MASK] positions: "
+                f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}), NSP accuracy "
+                f"{result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
         else:
             self.log.info(f"bert-train: {state} at step {self.step} (no evaluation)")
         self.log.info(f"  checkpoint: {final}")
@@ -717,7 +783,15 @@ class Trainer:
             self.log.info(f"  wandb:      {self.metrics.wandb_dir}")
         if self.main and self.tc.report:
             self._write_report()
-        return float(result["eval_mlm_loss"])
+        return self._objective(result)
+
+    def _objective(self, result: dict) -> float:
+        """The metric a sweeper optimises (`objective`); nan without an evaluation."""
+        objective = getattr(self.s, "objective", "eval_mlm_loss")
+        if objective == "eval_loss":
+            return float(result.get("eval_mlm_loss", float("nan")) +
+                         result.get("eval_nsp_loss", float("nan")))
+        return float(result.get(objective, float("nan")))
 
     def _write_report(self) -> None:
         """report.md and curves (bert-report) in the run directory; a failed picture never

@@ -271,3 +271,54 @@ def test_torch_compile_matches_eager(backend):
 @pytest.mark.slow
 def test_torch_compile_inductor_matches_eager():
     test_torch_compile_matches_eager("inductor")
+
+
+@pytest.mark.parametrize("switches", [
+    dict(sparse_prediction=True, sparse_last_layer=True, unpad=True),
+    dict(sparse_prediction=True, unpad=True, varlen_attention=False),
+    dict(attention="eager"),
+], ids=lambda s: "+".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("position_type", ["absolute", "relative_key"])
+def test_attention_locality_is_the_same_on_every_path(switches, position_type):
+    """The training-time locality bias enters the padded grid, the per-length groups and the
+    last layer's query subset alike (losses, logits and gradients)."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      position_embedding_type=position_type)
+    torch.manual_seed(0)
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    fast = twin(cfg, dataclasses.replace(PLAIN, **switches), plain)
+    for model in (plain, fast):
+        model.set_attention_locality([2.0, 0.5, 0.0, 0.1])
+    assert_same_step(plain, fast, make_batch(cfg))
+
+
+def test_attention_locality_adds_minus_slope_times_distance():
+    """Head h's scores get -slope_h * |i - j| (not the first position's, [CLS]'s): the log
+    attention probabilities of layer 0 move by exactly that, up to each row's normaliser; no
+    slopes (or all zero) is BERT."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = BertForPreTraining(cfg).eval()
+    batch = make_batch(cfg)
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                  token_type_ids=batch["token_type_ids"], output_attentions=True)
+    with torch.no_grad():
+        base = model(**inputs).attentions[0].double()
+        slopes = torch.tensor([1.5, 0.5, 0.0, 0.25], dtype=torch.float64)
+        model.set_attention_locality(slopes.tolist())
+        biased = model(**inputs).attentions[0].double()
+        model.set_attention_locality([0.0] * 4)
+        unbiased = model(**inputs).attentions[0].double()
+    assert torch.equal(unbiased, base.float().double())
+    pos = torch.arange(base.shape[-1], dtype=torch.float64)
+    distance = (pos[:, None] - pos[None, :]).abs()
+    distance[0] = 0  # the [CLS] query reads everything
+    real = batch["attention_mask"].bool()[:, None, None, :].expand_as(base)
+    shift = biased.log() - base.log() + slopes[None, :, None, None] * distance
+    shift = torch.where(real, shift, torch.nan)
+    spread = shift.nan_to_num(0).amax(-1) - torch.where(real, shift, torch.inf).amin(-1)
+    assert spread.max().item() < 1e-4
+    assert biased[:, 0].diagonal(dim1=-2, dim2=-1).mean() > base[:, 0].diagonal(
+        dim1=-2, dim2=-1).mean() + 0.05  # the steep head looks at its own neighbourhood
+    with pytest.raises(ValueError, match="one slope per head"):
+        model.set_attention_locality([1.0, 0.5])

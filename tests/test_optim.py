@@ -97,6 +97,24 @@ def test_polynomial_and_constant():
     assert [c.factor(i) for i in (0, 3, 4, 99)] == [0.25, 1.0, 1.0, 1.0]
 
 
+def test_cosine_and_hold_fraction():
+    s = Schedule(SchedulerConfig(name="cosine", end_lr_ratio=0.1), max_steps=110,
+                 warmup_steps=10)
+    assert s.factor(10) == 1.0 and s.factor(110) == pytest.approx(0.1)
+    assert s.factor(60) == pytest.approx(0.1 + 0.9 * 0.5)            # half way: half way down
+    assert s.factor(35) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi / 4)) / 2)
+    # trapezoid: flat for 80% of the post-warmup steps, then the decay over the last 20%
+    t = Schedule(SchedulerConfig(name="linear", hold_fraction=0.8), max_steps=110,
+                 warmup_steps=10)
+    assert [t.factor(i) for i in (10, 50, 90)] == [1.0, 1.0, 1.0]
+    assert t.factor(100) == pytest.approx(0.5) and t.factor(110) == 0.0
+    # in budget mode the hold is a share of the time after warmup
+    b = Schedule(SchedulerConfig(name="cosine", hold_fraction=0.5), 10**6, 0, 100.0)
+    assert b.factor(5, 49.0) == 1.0 and b.factor(6, 75.0) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="hold_fraction must be in"):
+        SchedulerConfig(hold_fraction=1.0)
+
+
 def test_budget_mode_follows_elapsed_time_and_restores_state():
     cfg = SchedulerConfig(name="linear")
     s = Schedule(cfg, max_steps=10**9, warmup_steps=2, budget_seconds=100.0)

@@ -436,6 +436,32 @@ def test_optuna_wall_clock_budget_search_bert_train(prepared, tmp_path):
         assert int(row["step"]) < 10_000
 
 
+def test_recipe_search_returns_the_held_out_mlm_plus_nsp_loss(prepared, tmp_path):
+    """hparams_search=recipe_tpe: step-count trials over the recipe's knobs (schedule shape,
+    attention locality, NSP weight, masking rate...), each returning eval_mlm_loss +
+    eval_nsp_loss (objective=eval_loss) to Optuna, which the summary records."""
+    sweep = tmp_path / "recipe"
+    r = bert_train_multirun("hparams_search=recipe_tpe", "experiment=smoke",
+                            f"data.dir={prepared}", f"hydra.sweep.dir={sweep}",
+                            "trainer.max_steps=4", "trainer.log_every=1",
+                            "trainer.progress_bar=false", "hydra.sweeper.n_trials=2",
+                            "trainer.warmup_steps=range(0,2)")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = read_csv(sweep / "summary.csv")
+    assert len(rows) == 2 and all(row["status"] == "completed" for row in rows)
+    for key in ("trainer.attention_locality", "trainer.nsp_loss_weight", "data.masked_lm_prob",
+                "scheduler.name", "scheduler.hold_fraction", "optim.lr"):
+        assert key in rows[0], key
+    for row in rows:
+        logs = [json.loads(l) for l in (Path(row["dir"]) / "metrics.jsonl").read_text()
+                .splitlines()]
+        last = [x for x in logs if "eval_mlm_loss" in x][-1]
+        assert float(row["objective"]) == pytest.approx(
+            last["eval_mlm_loss"] + last["eval_nsp_loss"], rel=1e-9)
+        assert [x["step"] for x in logs if "loss" in x][-1] == 4
+    assert len({row["trainer.attention_locality"] for row in rows}) == 2
+
+
 def test_summary_help_names_the_real_sweep_layout(capsys) -> None:
     """The --help example is the layout conf/train/train.yaml's hydra.sweep.dir produces."""
     from omegaconf import OmegaConf

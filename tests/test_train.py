@@ -206,10 +206,12 @@ def test_eval_metrics_dense_and_sparse_heads_agree_with_a_direct_computation(syn
     data = PreparedData(synthetic)
     batches = list(eval_batches(data, DataConfig(dir=synthetic), 3, 1, 0, None))
     accelerator = Accelerator(cpu=True)
-    a, b = evaluate(sparse, accelerator, batches), evaluate(dense, accelerator, batches)
+    a, b = (evaluate(m, accelerator, batches, mask_id=4) for m in (sparse, dense))
     for key in a:
         assert a[key] == pytest.approx(b[key], abs=1e-5), key
-    loss = correct = count = nsp_correct = 0.0
+    assert "eval_mlm_accuracy_masked" not in evaluate(sparse, accelerator, batches)
+    loss = correct = count = nsp_correct = masked_correct = masked_count = 0.0
+    per_class = {0: [0, 0], 1: [0, 0]}  # NSP label -> [right, seen]
     with torch.no_grad():
         for batch in batches:
             out = dense.eval()(**{k: v for k, v in batch.items() if k != "num_tokens"})
@@ -218,8 +220,20 @@ def test_eval_metrics_dense_and_sparse_heads_agree_with_a_direct_computation(syn
             loss += torch.nn.functional.cross_entropy(logits, labels, reduction="sum").item()
             correct += (logits.argmax(-1) == labels).sum().item()
             count += labels.numel()
+            shown_mask = batch["input_ids"][keep] == 4  # [MASK] in the synthetic vocabulary
+            masked_correct += (logits.argmax(-1) == labels)[shown_mask].sum().item()
+            masked_count += shown_mask.sum().item()
             nsp_correct += (out.seq_relationship_logits.argmax(-1)
                             == batch["next_sentence_label"]).sum().item()
+            for guess, label in zip(out.seq_relationship_logits.argmax(-1).tolist(),
+                                    batch["next_sentence_label"].tolist()):
+                per_class[label][0] += guess == label
+                per_class[label][1] += 1
     assert a["eval_mlm_loss"] == pytest.approx(loss / count, rel=1e-5)
     assert a["eval_mlm_accuracy"] == pytest.approx(correct / count)
     assert a["eval_nsp_accuracy"] == pytest.approx(nsp_correct / 8)
+    assert min(seen for _, seen in per_class.values()) > 0  # both kinds of pair are scored
+    assert a["eval_nsp_accuracy_balanced"] == pytest.approx(
+        0.5 * sum(right / seen for right, seen in per_class.values()))
+    assert 0.6 * count < masked_count < 0.95 * count  # ~80% of the predicted positions
+    assert a["eval_mlm_accuracy_masked"] == pytest.approx(masked_correct / masked_count)

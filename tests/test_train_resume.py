@@ -25,11 +25,19 @@ def _losses(run_dir):
             for r in read_metrics(run_dir) if "loss" in r}
 
 
-@pytest.mark.parametrize("masking,micro", [("static", 4), ("dynamic", 2)])
-def test_resume_mid_epoch_with_accumulation_is_bit_exact(tmp_path, prepared, masking, micro):
+# The locality bias fades from step 2.4 to 7.2 of 12: the resume at step 3 is mid-fade.
+LOCALITY = ["trainer.attention_locality=1.0", "trainer.attention_locality_hold=0.2",
+            "trainer.attention_locality_end=0.6"]
+
+
+@pytest.mark.parametrize("masking,micro,extra", [("static", 4, []), ("dynamic", 2, []),
+                                                 ("static", 4, LOCALITY)],
+                         ids=["static", "dynamic", "locality"])
+def test_resume_mid_epoch_with_accumulation_is_bit_exact(tmp_path, prepared, masking, micro,
+                                                         extra):
     common = ["experiment=smoke", f"data.dir={prepared}", "trainer.max_steps=12",
               "trainer.checkpoint_every=3", "trainer.keep_last_k=10", "trainer.eval_every=0",
-              f"trainer.micro_batch_size={micro}", f"data.masking={masking}"]
+              f"trainer.micro_batch_size={micro}", f"data.masking={masking}", *extra]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     final_full = train_in_process(common + [f"run_dir={full}"])
     # The interrupted run: only the step-3 checkpoint exists (as after a crash at step 4 or 5).

@@ -312,3 +312,100 @@ def test_entry_point_sets_passive_omp_wait_before_torch_loads():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+def test_nsp_loss_weight_scales_the_nsp_gradient_only(tmp_path, synthetic):
+    """trainer.nsp_loss_weight=0 leaves the NSP-only parameters (pooler, NSP classifier) where
+    they started; another weight moves the shared encoder differently; the logged loss is the
+    unweighted mlm + nsp either way."""
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import settings
+    from bert_pretrain.trainer import Trainer
+    from train_support import compose
+
+    def one_step(weight):
+        cfg = compose(base(synthetic, tmp_path / f"w{weight}", "trainer.max_steps=3",
+                           "trainer.mixed_precision=no", "optim.weight_decay=0",
+                           f"trainer.nsp_loss_weight={weight}"))
+        trainer = Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
+        try:
+            before = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+            result = trainer.train_step()
+            after = trainer.raw_model.state_dict()
+            moved = {k for k in before if not torch.equal(before[k], after[k])}
+            return result, moved, {k: after[k].clone() for k in after}
+        finally:
+            trainer.close()
+
+    r0, moved0, w0 = one_step(0.0)
+    r1, moved1, w1 = one_step(1.0)
+    r3, moved3, w3 = one_step(3.0)
+    nsp_only = {"bert.pooler.dense.weight", "bert.pooler.dense.bias",
+                "cls.seq_relationship.weight", "cls.seq_relationship.bias"}
+    assert not moved0 & nsp_only and nsp_only <= moved1 and nsp_only <= moved3
+    assert r0.loss == r1.loss == r3.loss == pytest.approx(r1.mlm_loss + r1.nsp_loss)
+    query = "bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(w1[query], w3[query]) and not torch.equal(w0[query], w1[query])
+    with pytest.raises(ValueError, match="nsp_loss_weight must be >= 0"):
+        TrainerConfig(nsp_loss_weight=-1.0)
+
+
+def test_attention_locality_fades_out_and_evaluations_score_plain_bert(tmp_path, synthetic):
+    """trainer.attention_locality: full strength for the `hold` share of the steps, a linear
+    fade to 0 at `end`; every evaluation scores the model without it (what an export
+    computes), and after the fade the training steps are plain BERT's."""
+    from bert_pretrain.checkpoint import load_weights, read_train_state
+    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.evaluation import evaluate
+    from bert_pretrain.model import BertConfig, BertForPreTraining
+
+    cfg = TrainerConfig(max_steps=10, attention_locality=2.0, attention_locality_hold=0.2,
+                        attention_locality_end=0.6)
+    assert [cfg.locality_strength(s, 0.0) for s in (0, 1, 2, 3, 4, 5, 6, 9)] == \
+        pytest.approx([1, 1, 1, 0.75, 0.5, 0.25, 0, 0])
+    budget = TrainerConfig(budget_hours=1.0, warmup_steps=0, attention_locality=1.0,
+                           attention_locality_hold=0.5, attention_locality_end=1.0)
+    assert budget.locality_strength(10**6, 1800.0) == 1.0  # time, not steps, in budget mode
+    assert budget.locality_strength(0, 2700.0) == pytest.approx(0.5)
+    assert TrainerConfig().locality_strength(0, 0.0) == 0.0  # off by default
+    for bad in (dict(attention_locality=-1.0), dict(attention_locality_hold=0.7),
+                dict(attention_locality_heads=0.0)):
+        with pytest.raises(ValueError, match="attention_locality"):
+            TrainerConfig(**bad)
+
+    run = tmp_path / "run"
+    train_in_process(base(synthetic, run, "trainer.max_steps=10", "trainer.log_every=1",
+                          "trainer.eval_every=2", "trainer.checkpoint_every=2",
+                          "trainer.keep_last_k=10", "trainer.attention_locality=2.0",
+                          "trainer.attention_locality_hold=0.2",
+                          "trainer.attention_locality_end=0.6", "model.hidden_dropout_prob=0",
+                          "model.attention_probs_dropout_prob=0"))
+    records = read_metrics(run)
+    logged = [r["attention_locality"] for r in records if "loss" in r]
+    assert logged == pytest.approx([2, 2, 2, 1.5, 1, 0.5, 0, 0, 0, 0])
+    data = PreparedData(synthetic)
+    from accelerate import Accelerator
+
+    for step in (2, 4):  # bias at full strength / half way down while these were trained
+        checkpoint = run / "checkpoints" / f"step-{step:08d}"
+        model = BertForPreTraining(BertConfig.from_dict(
+            read_train_state(str(checkpoint))["model_config"]))
+        load_weights(str(checkpoint), model)
+        direct = evaluate(model, Accelerator(cpu=True),
+                          eval_batches(data, DataConfig(dir=synthetic), 4, 1, 0, None),
+                          mask_id=data.special["mask"])
+        logged_eval = next(r for r in records if r["step"] == step and "eval_mlm_loss" in r)
+        assert logged_eval["eval_mlm_loss"] == pytest.approx(direct["eval_mlm_loss"], rel=1e-6)
+
+
+def test_objective_chooses_what_bert_train_returns(tmp_path, synthetic):
+    from bert_pretrain.config import settings
+    from train_support import compose
+
+    run = tmp_path / "run"
+    value = train_in_process(base(synthetic, run, "trainer.max_steps=3", "objective=eval_loss"))
+    last = [r for r in read_metrics(run) if "eval_nsp_loss" in r][-1]
+    assert value == pytest.approx(last["eval_mlm_loss"] + last["eval_nsp_loss"], rel=1e-12)
+    with pytest.raises(ConfigError, match="objective 'eval_acc' is not one of eval_mlm_loss"):
+        settings(compose(base(synthetic, run, "objective=eval_acc")))

@@ -40,6 +40,9 @@ class BertSelfAttention(nn.Module):
             self.max_position_embeddings = config.max_position_embeddings
             self.distance_embedding = nn.Embedding(2 * config.max_position_embeddings - 1,
                                                    self.head_size)
+        # Per-head slopes of a training-time locality bias (BertForPreTraining.
+        # set_attention_locality); None: no bias, the model is BERT.
+        self.locality_slopes: torch.Tensor | None = None
 
     def _project(self, hidden: torch.Tensor, layout: TokenLayout):
         """Q, K, V as [B, heads, L, d] on the padded grid."""
@@ -72,6 +75,33 @@ class BertSelfAttention(nn.Module):
             if self.position_embedding_type == "relative_key_query":
                 bias = bias + torch.einsum("bhrd,blrd->bhlr", k, table)
         return bias / math.sqrt(self.head_size)
+
+    def _locality_bias(self, n: int, device, dtype,
+                       q_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """-slope_h * |i - j| for head h ([1 or B, heads, Lq, L]): attention starts out local,
+        except the first position's ([CLS]) queries, which read the whole input for NSP.
+        `q_positions` [B, Lq]: positions of the queries when they are a subset."""
+        pos = torch.arange(n, device=device)
+        slopes = self.locality_slopes.to(device=device, dtype=dtype)[None, :, None, None]
+        if q_positions is None:
+            distance = (pos[:, None] - pos[None, :]).abs() * (pos[:, None] > 0)
+            distance = distance[None, None]
+        else:
+            distance = (q_positions[:, :, None] - pos[None, None, :]).abs() * \
+                (q_positions[:, :, None] > 0)
+            distance = distance[:, None]
+        return -(slopes * distance.to(dtype))
+
+    def _score_bias(self, q, k, q_positions=None) -> torch.Tensor | None:
+        """What is added to q k^T / sqrt(d) besides the padding mask: relative positions and the
+        locality bias, where either is on."""
+        bias = None
+        if self.position_embedding_type != "absolute":
+            bias = self._relative_bias(q, k, q_positions)
+        if self.locality_slopes is not None:
+            local = self._locality_bias(k.shape[-2], q.device, q.dtype, q_positions)
+            bias = local if bias is None else bias + local
+        return bias
 
     def _project_subset(self, hidden: torch.Tensor, layout: TokenLayout, subset: QuerySubset):
         """Q for the subset rows on the [B, Lq] query grid; K, V for all tokens."""
@@ -121,9 +151,7 @@ class BertSelfAttention(nn.Module):
         contexts = []
         for group in groups:
             qg, kg, vg = (layout.group_to_heads(x, group, h) for x in (q, k, v))
-            bias = None
-            if self.position_embedding_type != "absolute":
-                bias = self._relative_bias(qg, kg)
+            bias = self._score_bias(qg, kg)
             context, _ = self._attend(qg, kg, vg, bias, group.key_mask, group.key_bias, explicit)
             contexts.append(context)
         return layout.groups_from_heads(contexts, groups)
@@ -138,9 +166,7 @@ class BertSelfAttention(nn.Module):
             q, k, v = self._project(hidden, layout)
         else:
             q, k, v = self._project_subset(hidden, layout, subset)
-        bias = None
-        if self.position_embedding_type != "absolute":
-            bias = self._relative_bias(q, k, None if subset is None else subset.positions)
+        bias = self._score_bias(q, k, None if subset is None else subset.positions)
         explicit = self._explicit(output_attentions, q.device)
         context, probs = self._attend(q, k, v, bias, layout.key_mask, layout.key_bias, explicit)
         if subset is None:

@@ -116,6 +116,24 @@ class BertForPreTraining(nn.Module):
             if module is not self.cls.predictions.decoder:
                 init_bert_weights(module, config.initializer_range)
 
+    def set_attention_locality(self, slopes) -> None:
+        """Add -slopes[h] * |i - j| to head h's attention scores in every layer (ALiBi's form;
+        not to the first position's, [CLS]'s, which keeps reading the whole input for NSP), or
+        nothing with None / all zeros (BERT).  A training-time aid: a BERT trained from
+        scratch spends its first thousands of steps predicting only frequent tokens, because no
+        head attends to the neighbours a masked token is read from until attention and values
+        have learned it together; a local start breaks that tie, and once the bias is faded out
+        the weights are a plain BERT's (README, "Learning check").  Not saved in checkpoints:
+        the trainer sets it each step."""
+        tensor = None
+        if slopes is not None and any(float(x) != 0.0 for x in slopes):
+            if len(slopes) != self.config.num_attention_heads:
+                raise ValueError(f"attention locality needs one slope per head "
+                                 f"({self.config.num_attention_heads}), got {len(slopes)}")
+            tensor = torch.tensor([float(x) for x in slopes], dtype=torch.float32)
+        for layer in self.bert.encoder.layer:
+            layer.attention.self.locality_slopes = tensor
+
     def hf_state_dict(self) -> dict:
         """The state dict with transformers' key set.  For relative position types
         transformers 4.x also holds `bert.embeddings.position_embeddings.weight`, a table it
