@@ -47,6 +47,7 @@ prefer_passive_omp_wait()  # as bert-train: before torch loads libgomp
 import torch  # noqa: E402
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl  # noqa: E402
+from benchlib import OtherLoad, median_and_range  # noqa: E402  (bench/, beside this file)
 
 PRESET_SIZES = {  # (layers, hidden, heads, intermediate): conf/train/model/<name>.yaml
     "bert_tiny": (2, 128, 2, 512),
@@ -162,32 +163,6 @@ def build_models(cfg: BertConfig, names: list[str], device: str, seed: int):
             model = torch.compile(model, dynamic=True)
         models[name] = (model, opt)
     return models
-
-
-class OtherLoad:
-    """CPU cores kept busy by other processes while a measurement runs: all busy time in
-    /proc/stat minus this process's own CPU time, per second of wall time (Linux only)."""
-
-    def __init__(self):
-        self.start = self._sample()
-
-    @staticmethod
-    def _sample():
-        try:
-            with open("/proc/stat") as f:
-                fields = [float(x) for x in f.readline().split()[1:]]
-        except OSError:
-            return None
-        idle = fields[3] + fields[4]  # idle + iowait
-        tick = os.sysconf("SC_CLK_TCK")
-        return (sum(fields) - idle) / tick, time.process_time(), time.perf_counter()
-
-    def cores(self) -> float | None:
-        end = self._sample()
-        if self.start is None or end is None:
-            return None
-        busy, own, wall = (b - a for a, b in zip(self.start, end))
-        return max(busy - own, 0.0) / wall
 
 
 def start_competitor() -> subprocess.Popen:
@@ -381,12 +356,9 @@ def summarise(runs: list[dict]) -> list[dict]:
     for (preset, batch, seq, dtype, model), rows in groups.items():
         entry = dict(preset=preset, batch_size=batch, seq_len=seq, dtype=dtype, model=model,
                      runs=len(rows))
-        for field in ("median_step_s", "tokens_per_s", "speedup_vs_transformers", "mfu", "peak",
-                      "other_load_cores"):
-            values = [r[field] for r in rows if r.get(field) is not None]
-            if values:
-                entry[field] = statistics.median(values)
-                entry[field + "_range"] = [min(values), max(values)]
+        entry.update(median_and_range(rows, ("median_step_s", "tokens_per_s",
+                                             "speedup_vs_transformers", "mfu", "peak",
+                                             "other_load_cores")))
         out.append(entry)
     return out
 

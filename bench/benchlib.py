@@ -1,0 +1,61 @@
+"""What the benchmarks share: the load other processes put on the machine while a measurement
+ran, and the median-with-spread every published figure is.
+
+A figure taken on a shared machine is not a figure: every benchmark records the other load beside
+its numbers, so a reader can tell a quiet run from one that competed for the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+
+
+class OtherLoad:
+    """All busy CPU time in /proc/stat minus the measured work's own CPU time, per second of wall
+    time, from construction to `cores()`.  The measured work is this process
+    (`own="process"`) or the child processes that finished in between (`own="children"`, for a
+    benchmark that runs each measurement as a subprocess)."""
+
+    def __init__(self, own: str = "process"):
+        if own not in ("process", "children"):
+            raise ValueError(f"own={own!r}: expected 'process' or 'children'")
+        self.own = own
+        self.start = self._sample()
+
+    def _own_seconds(self) -> float:
+        if self.own == "process":
+            return time.process_time()
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    def _sample(self):
+        try:
+            with open("/proc/stat") as f:
+                fields = [float(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        idle = fields[3] + fields[4]  # idle + iowait
+        busy = (sum(fields) - idle) / os.sysconf("SC_CLK_TCK")
+        return busy, self._own_seconds(), time.perf_counter()
+
+    def cores(self) -> float | None:
+        """Other processes' busy cores on average since construction (None without /proc)."""
+        end = self._sample()
+        if self.start is None or end is None:
+            return None
+        busy, own, wall = (b - a for a, b in zip(self.start, end))
+        return max(busy - own, 0.0) / wall
+
+
+def median_and_range(rows: list[dict], fields) -> dict:
+    """For each field the rows have: its median and its [min, max] (as `<field>_range`)."""
+    out = {}
+    for field in fields:
+        values = [r[field] for r in rows if r.get(field) is not None]
+        if values:
+            out[field] = statistics.median(values)
+            out[field + "_range"] = [min(values), max(values)]
+    return out
