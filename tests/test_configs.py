@@ -33,9 +33,9 @@ def test_every_group_has_the_documented_options():
     assert {"bert_tiny", "bert_mini", "bert_small", "bert_medium", "bert_base",
             "bert_large"} <= set(options("model"))
     assert options("optim") == ["adamw", "lamb"]
-    assert options("scheduler") == ["constant", "linear", "polynomial"]
+    assert options("scheduler") == ["constant", "cosine", "linear", "polynomial"]
     assert options("logger") == ["none", "wandb"]
-    assert {"demo", "bert_base_phase1", "bert_base_phase2", "gutenberg_mini",
+    assert {"demo", "bert_base_phase1", "bert_base_phase2", "gutenberg_mini", "budget_mini",
             "smoke"} <= set(options("experiment"))
 
 
@@ -86,7 +86,7 @@ def test_experiments_train_in_sequence(prepared, tmp_path):
         run = str(tmp_path / name)
         overrides = [f"experiment={name}", f"data.dir={prepared}", f"run_dir={run}", *SHRINK,
                      *FAST]
-        if name in ("demo", "gutenberg_mini"):  # budget mode: a one-second budget
+        if name in ("demo", "gutenberg_mini", "budget_mini"):  # budget mode: a 1-second budget
             overrides += ["trainer.budget_hours=0.0003", "trainer.max_steps=100000"]
         runs[name] = run
         assert train_in_process(overrides) > 0
