@@ -19,6 +19,7 @@ run is recorded (cores busy outside this process, from /proc/stat).
     python bench/bench_model.py --presets bert_tiny:32 bert_small:32:512 --steps 3
     python bench/bench_model.py --compete                   # + one run beside a busy process
     python bench/bench_model.py --variants                  # also time our speed switches off
+    python bench/bench_model.py --dropout 0 --variants ours-sdpa   # as budget recipes train
     python bench/bench_model.py --compile                   # also time torch.compile'd ours
     python bench/bench_model.py --device cuda               # GPU: bf16 autocast, fused attention
 """
@@ -65,6 +66,7 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours-no-sparse-last": {"sparse_last_layer": False},
     "ours-no-sparse": {"sparse_prediction": False},
     "ours-no-varlen": {"varlen_attention": False},
+    "ours-sdpa": {"attention": "sdpa"},  # the default (auto) is the explicit product on CPU
 }
 IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
 
@@ -187,6 +189,9 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
               peaks) -> list[dict]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     cfg = load_preset(preset, args.vocab_size)
+    if args.dropout is not None:
+        cfg = dataclasses.replace(cfg, hidden_dropout_prob=args.dropout,
+                                  attention_probs_dropout_prob=args.dropout)
     names = ["ours", "transformers"]
     if args.variants is not None:  # one at a time off (or on) from the default
         names += [v for v, switches in VARIANTS.items()
@@ -270,6 +275,9 @@ def main(argv=None) -> None:
                                                                     if v != "ours"],
                    help="also time our model with speed switches flipped: the names given, or "
                         "all of them")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="dropout of both models (default: the preset's, 0.1); budget recipes "
+                        "such as experiment=budget_mini train with 0")
     p.add_argument("--compile", action="store_true",
                    help="also time our model under torch.compile (inductor, dynamic shapes)")
     p.add_argument("--compete", action="store_true",
@@ -329,7 +337,8 @@ def main(argv=None) -> None:
         device=args.device, device_name=device_name, bf16_units=bf16_units(),
         threads=torch.get_num_threads(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
         freed_memory_kept=kept, torch=torch.__version__, seq_len=args.seq_len,
-        warmup=args.warmup, steps=args.steps, runs=runs, summary=summary), indent=2))
+        warmup=args.warmup, steps=args.steps, dropout=args.dropout, runs=runs,
+        summary=summary), indent=2))
     print(f"wrote {out}")
 
 

@@ -43,3 +43,17 @@ def test_bad_preset_spec_is_one_line():
                         "bert_tiyn:4"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1].startswith("error: --presets takes NAME:BATCH[:SEQ]")
+
+
+def test_dropout_and_the_sdpa_variant(tmp_path):
+    """--dropout 0 (as budget recipes train) is recorded with the results; ours-sdpa (SDPA on
+    CPU, where the default takes the explicit product) is timed beside ours."""
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:4:32", "--dtypes", "bf16", "--warmup", "1", "--steps", "1",
+                        "--dropout", "0", "--variants", "ours-sdpa", "--vocab-size", "512",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["dropout"] == 0.0
+    assert {row["model"] for row in result["summary"]} == {"ours", "transformers", "ours-sdpa"}

@@ -12,7 +12,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl, build_model
 
-PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False)
+# attention="sdpa": the switches (attention="eager" among them) are checked against SDPA
+PLAIN = ModelImpl(sparse_prediction=False, unpad=False, fused_qkv=False, fast_dropout=False,
+                  attention="sdpa")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -83,6 +83,7 @@ def test_plan_groups_partitions_by_length(monkeypatch):
 
 CASES = [
     dict(),
+    dict(attention="sdpa"),
     dict(attention="eager"),
     dict(sparse_last_layer=False),
     dict(sparse_prediction=False),
