@@ -357,17 +357,19 @@ def _first_line(exc: BaseException) -> str:
 class SweepSummaryCallback(Callback):
     """Records every sweep member's outcome and writes the sweep summary when the sweep ends.
 
-    ``metric``/``mode`` choose the ranking; ``mode: null`` follows the Optuna sweeper's
-    ``direction`` when there is one and minimises otherwise.
+    ``metric``/``mode`` choose the ranking; ``metric: null`` ranks by the run's ``objective``
+    (what bert-train returns to the sweeper: a metrics.jsonl key, or for ``eval_loss`` the
+    returned value itself); ``mode: null`` follows the Optuna sweeper's ``direction`` when there
+    is one, else maximises accuracies and minimises the rest.
     """
 
-    def __init__(self, metric: str = "eval_mlm_loss", mode: str | None = None) -> None:
+    def __init__(self, metric: str | None = None, mode: str | None = None) -> None:
         self.metric = metric
         self.mode = mode
         self._job_start: float | None = None
         self._job: dict[str, Any] | None = None
         self._exit_hook = False
-        self._pending: tuple[str, str] | None = None
+        self._pending: tuple[str, str, str] | None = None
 
     # ---- in the process that runs a job (the sweep process, a joblib worker or a SLURM node)
     @staticmethod
@@ -436,11 +438,18 @@ class SweepSummaryCallback(Callback):
 
     # ---- in the sweep process
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        metric = self.metric
+        if metric is None:
+            objective = str(OmegaConf.select(config, "objective") or "eval_mlm_loss")
+            metric = OBJECTIVE if objective == "eval_loss" else objective
         mode = self.mode
         if mode is None:
             direction = OmegaConf.select(config, "hydra.sweeper.direction")
-            mode = "max" if str(direction).lower().endswith("maximize") else "min"
-        self._pending = (str(config.hydra.sweep.dir), mode)
+            if direction is not None:
+                mode = "max" if str(direction).lower().endswith("maximize") else "min"
+            else:
+                mode = "max" if "accuracy" in metric else "min"
+        self._pending = (str(config.hydra.sweep.dir), metric, mode)
         # Hydra's basic sweeper raises when a member failed, before on_multirun_end: the summary
         # of the members that did run is still worth having, so it is also written at exit.
         atexit.register(self._write_pending)
@@ -451,10 +460,10 @@ class SweepSummaryCallback(Callback):
     def _write_pending(self) -> None:
         if self._pending is None:
             return
-        sweep_dir, mode = self._pending
+        sweep_dir, metric, mode = self._pending
         self._pending = None
         try:
-            summarize(sweep_dir, self.metric, mode)
+            summarize(sweep_dir, metric, mode)
         except Exception as e:  # a summary problem must never turn a finished sweep into a crash
             log.error("sweep summary of %s not written: %s", sweep_dir, _first_line(e))
 

@@ -175,7 +175,8 @@ def main(cfg):
     loss = (math.log10(cfg.lr) + 3.3) ** 2 + 0.1 * cfg.layers
     with open(Path(HydraConfig.get().runtime.output_dir) / "metrics.jsonl", "w") as f:
         f.write(json.dumps({"step": 1, "loss": 9.0}) + "\\n")
-        f.write(json.dumps({"step": 2, "eval_mlm_loss": loss}) + "\\n")
+        f.write(json.dumps({"step": 2, "eval_mlm_loss": loss,
+                            "eval_nsp_accuracy": 1.0 / (1.0 + cfg.layers)}) + "\\n")
     return loss
 
 if __name__ == "__main__":
@@ -219,6 +220,20 @@ def test_callback_grid_sweep_with_failed_member(tmp_path: Path) -> None:
     info = json.loads((sweep / "0" / "trial.json").read_text())
     assert info["status"] == "completed" and info["overrides"] == ["lr=0.0001", "layers=1", "fail_at=0.01"]
     assert info["return_value"] == pytest.approx((-4 + 3.3) ** 2 + 0.1)
+
+
+@pytest.mark.parametrize("objective,ranked", [
+    ("eval_nsp_accuracy", "eval_nsp_accuracy (max)"), ("eval_loss", "objective (min)")])
+def test_callback_ranks_by_the_runs_objective(tmp_path: Path, objective, ranked) -> None:
+    """A sweep run with objective=X is summarised by X (accuracies: best = highest), not by the
+    default MLM loss; eval_loss, which no record holds, by the value returned to the sweeper."""
+    r, sweep = run_toy(tmp_path, "lr=1e-3", "layers=1,2", f"+objective={objective}")
+    assert r.returncode == 0, r.stderr
+    assert f"ranked by {ranked}" in r.stdout
+    with open(sweep / "summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    # layers=1: the higher accuracy, and the lower returned loss
+    assert [row["layers"] for row in rows] == ["1", "2"]
 
 
 def test_callback_optuna_sweep(tmp_path: Path) -> None:
