@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from bert_pretrain import checkpoint as ckpt
 from train_support import REPO, write_prepared
 
-MAX_STEPS, EVERY, EVAL_EVERY = 64, 2, 5
+MAX_STEPS, EVERY, EVAL_EVERY = 96, 2, 5
 COMMON = ["experiment=smoke", f"trainer.max_steps={MAX_STEPS}", f"trainer.checkpoint_every={EVERY}",
           f"trainer.eval_every={EVAL_EVERY}", "trainer.eval_max_samples=16", "trainer.log_every=1",
           "trainer.keep_last_k=2", "trainer.warmup_steps=4", "trainer.progress_bar=false"]
@@ -92,7 +92,7 @@ def _started(out):
     return "parameters;" in out.read_text()
 
 
-def _wait_and_kill(proc, run_dir, rng, start_step, since, out):
+def _wait_and_kill(proc, run_dir, rng, start_step, since, out, step_s):
     """Kill `proc` at a random moment; returns the moment's kind, or None if it finished first."""
     mode = rng.choices(["startup", "after-step", "checkpoint-write", "evaluation"],
                        weights=[1, 2, 2, 1])[0]
@@ -101,8 +101,15 @@ def _wait_and_kill(proc, run_dir, rng, start_step, since, out):
     while proc.poll() is None and time.monotonic() < deadline:
         if mode in ("after-step", "evaluation") and not _started(out):
             pass
+        elif mode == "startup" and _started(out) and \
+                any(s >= target for s in _logged_steps(run_dir)):
+            break  # start-up ended before the delay: a kill in training, a few steps on (a run
+            # left to go on for the whole delay could finish before all the faults are in)
         elif mode == "after-step" and any(s >= target for s in _logged_steps(run_dir)):
-            time.sleep(rng.uniform(0.0, 0.08))  # lands in the next step, save or evaluation
+            # lands in the next step, checkpoint write or evaluation: the delay is in units of
+            # the run's own step time (steps, saves and evaluations together), so a faster
+            # machine or model does not carry the run many steps on before each kill
+            time.sleep(rng.uniform(0.0, 2 * step_s))
             break
         elif mode == "evaluation" and any(s > start_step and s % EVAL_EVERY == 0
                                         for s in _logged_steps(run_dir)):
@@ -144,8 +151,12 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED", "20261123")))
     write_prepared(str(tmp_path / "data"), num_train=96, num_valid=24)
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc, _, ref_err = _start(tmp_path, reference_dir, "reference")
+    proc, ref_out, ref_err = _start(tmp_path, reference_dir, "reference")
+    while proc.poll() is None and not _started(ref_out):
+        time.sleep(0.002)
+    began = time.monotonic()
     assert proc.wait(timeout=600) == 0, ref_err.read_text()[-3000:]
+    step_s = (time.monotonic() - began) / MAX_STEPS  # per step, saves and evaluations included
 
     kinds, lost, resumed, damaged, tracebacks = {}, [], 0, [], 0
     launches = fresh = 0
@@ -167,7 +178,7 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
         since = time.time() - 0.01
         proc, out, err = _start(tmp_path, run_dir, f"run{launches}",
                                 *(["resume=auto"] if launches > 1 else []))
-        kind = _wait_and_kill(proc, run_dir, rng, _step_of(expected), since, out) \
+        kind = _wait_and_kill(proc, run_dir, rng, _step_of(expected), since, out, step_s) \
             if sum(kinds.values()) < n_faults else None
         if kind is None:
             assert proc.wait(timeout=600) == 0, err.read_text()[-3000:]
@@ -203,7 +214,9 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
     assert steps == list(range(1, MAX_STEPS + 1))  # every step logged once, none missing
     assert tracebacks == 0
     faults = sum(kinds.values())
-    assert faults >= n_faults and resumed >= 1 and len(damaged) == 2
+    assert faults >= n_faults, f"the run reached step {MAX_STEPS} after {faults} of {n_faults} " \
+        "faults: each kill carried it too far on"
+    assert resumed >= 1 and len(damaged) == 2
     print(f"\nfaults injected: {faults} ({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))})"
           f"; damaged checkpoints: {len(damaged)}; launches: {launches}, of which {resumed} "
           f"resumed from the newest intact checkpoint, {fresh} started fresh (no checkpoint "
