@@ -180,7 +180,7 @@ class ModelImpl:
     """auto: sdpa on GPUs, eager on CPUs; sdpa: torch.nn.functional.scaled_dot_product_attention
     (fused kernels on GPU); eager: the explicit softmax(QK^T)V path (always used when attention
     maps are requested). On CPU, SDPA without dropout runs its flash kernel, which in bf16 made
-    whole training steps 1.15-1.3x slower than the explicit path (BERT-mini/base, seq 128/512)
+    whole training steps 1.16-1.21x slower than the explicit path (BERT-mini/base, seq 128/512)
     and gained nothing in fp32 (README, "Benchmarks")."""
 
     def __post_init__(self) -> None:
