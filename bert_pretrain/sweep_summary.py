@@ -217,6 +217,11 @@ def split_overrides(trials: Sequence[Trial]) -> tuple[list[str], dict[str, str]]
     return swept, fixed
 
 
+def default_mode(metric: str) -> str:
+    """Accuracies rank highest first, everything else (losses, the objective) lowest first."""
+    return "max" if "accuracy" in metric else "min"
+
+
 def rank_trials(trials: Iterable[Trial], metric: str, mode: str) -> list[Trial]:
     """Best first; trials without a finite value of the metric keep their job order at the end."""
     if mode not in ("min", "max"):
@@ -448,7 +453,7 @@ class SweepSummaryCallback(Callback):
             if direction is not None:
                 mode = "max" if str(direction).lower().endswith("maximize") else "min"
             else:
-                mode = "max" if "accuracy" in metric else "min"
+                mode = default_mode(metric)
         self._pending = (str(config.hydra.sweep.dir), metric, mode)
         # Hydra's basic sweeper raises when a member failed, before on_multirun_end: the summary
         # of the members that did run is still worth having, so it is also written at exit.
@@ -484,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mode", choices=("min", "max"), default=None,
                    help="min or max (default: max for metrics named *accuracy*, else min)")
     args = p.parse_args(argv)
-    mode = args.mode or ("max" if "accuracy" in args.metric else "min")
+    mode = args.mode or default_mode(args.metric)
     try:
         summarize(args.sweep_dir, args.metric, mode)
     except SweepSummaryError as e:
