@@ -100,7 +100,7 @@ def test_switch_equals_plain_path(switches, position_type):
 def test_auto_attention_takes_the_explicit_path_on_cpu(attention, sdpa_calls, varlen,
                                                        monkeypatch):
     """impl.attention=auto (the default) runs the explicit product on CPU, where SDPA's flash
-    kernel is the slower one without dropout (bf16: 1.15-1.3x per training step); sdpa still
+    kernel is the slower one without dropout (bf16: 1.16-1.21x per training step); sdpa still
     runs SDPA; the results are the plain path's either way."""
     import torch.nn.functional as F
 
