@@ -233,9 +233,12 @@ def plot(runs: list[dict], args, baseline: float | None) -> None:
             xs, ys = zip(*points)
             label = f"{'bert-pretrain' if r['model'] == 'ours' else 'transformers'} " \
                     f"seed {r['seed']}"
-            ax.plot(xs, [100 * y for y in ys], marker="o", markersize=2.5, linewidth=1.3,
-                    color=colours[r["model"]],
-                    alpha=1.0 if r["seed"] == runs[0]["seed"] else 0.55, label=label)
+            # colour tells the models apart, line style and marker the seeds of one model
+            nth = [q["seed"] for q in runs if q["model"] == r["model"]].index(r["seed"])
+            ax.plot(xs, [100 * y for y in ys], marker="osD^v"[nth % 5], markersize=2.8,
+                    linewidth=1.2, linestyle=("-", "--", ":", "-.")[nth % 4],
+                    color=colours[r["model"]], alpha=(1.0, 0.75, 0.6, 0.5)[min(nth, 3)],
+                    label=label)
         if key in TARGETS:
             ax.axhline(100 * TARGETS[key], color="grey", linestyle="--", linewidth=1,
                        label=f"target {100 * TARGETS[key]:.0f}%")
