@@ -137,7 +137,7 @@ def worker(overrides: list[str]) -> None:
             values = {**self.s.model, "vocab_size": self.data.vocab_size,
                       "pad_token_id": self.data.special.get("pad", 0)}
             self.model_cfg = BertConfig.from_dict(values)
-            self.hf_state = None
+            self.hf_state, self.import_notes = None, []
             set_seed(self.s.seed)
             self.raw_model = TransformersBert(
                 transformers.BertConfig(**self.model_cfg.to_hf_dict()))

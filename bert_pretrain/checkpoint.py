@@ -1,21 +1,27 @@
-"""Checkpoints: `<run_dir>/checkpoints/step-XXXXXXXX/`, written atomically, checksummed, and
-loaded without running any code from the files.
+"""One checkpoint directory: written atomically, checksummed, read safely, loaded without running
+code from its files.  Which checkpoint a run continues from, and which are kept, is the
+checkpoint manager's business (checkpoint_manager.py); this module knows one directory at a time.
 
 A checkpoint is written into `.tmp-step-XXXXXXXX/`, every file fsync'd, then the directory is
 renamed to its final name (rename is atomic on POSIX) and the parent fsync'd.  Only names
 `step-<8 digits>` that hold `trainer_state.json` count as checkpoints, so a crash or a full disk
 mid-save never leaves something that looks valid, and the previous checkpoint is untouched.
 
-Contents: model.safetensors, optimizer.pt, trainer_state.pt (scheduler, grad scaler),
-rng_state_rank<R>.pt (one per rank), trainer_state.json (step, tokens seen, data position,
-elapsed seconds, model config, tokenizer hash), config.yaml (the resolved run config) and a copy
-of the tokenizer, so a checkpoint directory is self-contained (export needs nothing else).
+Contents: model.safetensors, optimizer.pt, trainer_state.pt (scheduler, grad scaler, logging
+window), rng_state_rank<R>.pt (one per rank), trainer_state.json (step, tokens seen, data
+position, elapsed seconds, model config, tokenizer hash, the checkpoint it continues), config.yaml
+(the resolved run config) and a copy of the tokenizer files, so a checkpoint directory is
+self-contained (export needs nothing else).
 
-Integrity: trainer_state.json, written last, lists the sha256 of every other file (`files`) and
-of its own content (`state_sha256`).  `verify_checkpoint` re-hashes them, so a truncated file,
-a flipped bit or a file lost from a copied run is found before anything is loaded;
-`latest_checkpoint` (resume=auto) skips such a checkpoint for the newest valid one.  A checksum
-is not a signature: it catches damage, not a deliberate edit.
+A checkpoint is the files its state lists, and nothing else.  trainer_state.json, written last,
+lists every other file with its sha256 and size (`files`) and carries the sha256 of its own content
+(`state_sha256`).  `verify_checkpoint` refuses a symlink or anything but a regular file anywhere in
+the directory (a link `tokenizer/added_tokens.json -> ~/.ssh/id_rsa` would otherwise be copied out
+by an export; a `config.yaml -> /dev/zero` would be hashed forever), refuses listed paths that
+leave the directory, reads no file past its recorded size, and re-hashes every listed file, so a
+truncated file, a flipped bit or a file lost from a copied run is found before anything is loaded.
+Readers (loading, export) then use listed files only.  A checksum is not a signature: it catches
+damage, not a deliberate edit.
 
 Untrusted files: nothing here unpickles arbitrary objects.  Weights go through safetensors, the
 other state through `torch.load(weights_only=True)` (tensors and plain containers only) or JSON,
@@ -30,7 +36,7 @@ import os
 import random
 import re
 import shutil
-import sys
+import stat
 from typing import Callable, Optional
 
 import numpy as np
@@ -42,72 +48,77 @@ from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
+TOKENIZER_DIR = "tokenizer"
 # Fields that decide tensor shapes: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "max_position_embeddings", "type_vocab_size",
                 "position_embedding_type", "pre_layer_norm")
+# trainer_state.json holds a few numbers and one line per file: anything this large is not one.
+MAX_STATE_BYTES = 16 << 20
 _HASH_CHUNK = 8 << 20
 
 
-def checkpoints_root(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoints")
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
-def list_checkpoints(run_dir: str) -> list:
-    """Complete-looking checkpoints of a run (not yet verified), oldest first, as (step, path)."""
-    root = checkpoints_root(run_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = STEP_DIR.match(name)
-        path = os.path.join(root, name)
-        if m and os.path.isfile(os.path.join(path, STATE_JSON)):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+def step_of(path: str) -> Optional[int]:
+    m = STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
 
 
-_warned: set = set()
+# ------------------------------------------------------------------------------ safe reading
+def _check_name(path: str, name) -> str:
+    """A listed name: a relative path inside the checkpoint, '/'-separated, no '..'."""
+    if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name or \
+            any(part in ("", ".", "..") for part in name.split("/")):
+        raise CheckpointError(f"{path} lists a file outside the checkpoint ({name!r}); the "
+                              f"checkpoint was edited or is corrupt")
+    return name
 
 
-def _warn_once(message: str) -> None:
-    """Warnings from code every rank runs: print once, from the main process (RANK is set by
-    torchrun / accelerate launch)."""
-    if os.environ.get("RANK", "0") == "0" and message not in _warned:
-        _warned.add(message)
-        print(message, file=sys.stderr, flush=True)
-
-
-def latest_checkpoint(run_dir: str, verify: bool = True,
-                      warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
-    """The newest checkpoint whose files match their checksums (resume=auto); a damaged one is
-    skipped with a warning naming it (through `warn`, else once on stderr).  verify=False: the
-    newest complete-looking one.
-
-    None when the run has no checkpoint; CheckpointError when it has some and all are damaged
-    (starting over would silently discard the run, and keep_last_k would then delete them)."""
-    found = list_checkpoints(run_dir)
-    for _, path in reversed(found):
-        if not verify:
-            return path
+def _regular(path: str, rel: str) -> os.stat_result:
+    """lstat of `rel` inside checkpoint `path`; refuses a symlink or a non-regular file on the
+    way (every directory component is checked, so a linked `tokenizer/` is refused too)."""
+    current = path
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        current = os.path.join(current, part)
         try:
-            verify_checkpoint(path)
-            return path
-        except CheckpointError as exc:
-            (warn or _warn_once)(f"bert-train: warning: skipping damaged checkpoint {path}: "
-                                 f"{exc}; falling back to an earlier one")
-    if found and verify:
-        raise CheckpointError(
-            f"all {len(found)} checkpoint(s) in {checkpoints_root(run_dir)} are damaged (see the "
-            f"warnings above); restore them from a copy, or move them away to start over")
-    return None
+            st = os.lstat(current)
+        except FileNotFoundError:
+            raise CheckpointError(f"{current} is missing; the checkpoint is incomplete") from None
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {current} ({exc.strerror}); the checkpoint is "
+                                  f"unreadable") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode):
+            raise CheckpointError(f"{current} is a symbolic link; a checkpoint holds only its own "
+                                  f"regular files: replace the link by the file or remove it")
+        if last and not stat.S_ISREG(st.st_mode) or not last and not stat.S_ISDIR(st.st_mode):
+            raise CheckpointError(f"{current} is not a regular file; a checkpoint holds only its "
+                                  f"own regular files: remove it")
+    return st
 
 
-def _sha256(path: str) -> str:
+def _open_regular(file: str):
+    """Open a file already checked by `_regular`, refusing a symlink swapped in since."""
+    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    return os.fdopen(fd, "rb")
+
+
+def _sha256(path: str, limit: Optional[int] = None) -> str:
+    """sha256 of the file; with `limit`, of at most its first limit + 1 bytes (a file longer than
+    recorded then mismatches without being read to its end)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+    left = float("inf") if limit is None else limit + 1
+    with _open_regular(path) as f:
+        while left > 0:
+            chunk = f.read(int(min(_HASH_CHUNK, left)))
+            if not chunk:
+                break
             h.update(chunk)
+            left -= len(chunk)
     return h.hexdigest()
 
 
@@ -128,27 +139,44 @@ def _files_of(directory: str) -> list:
     return sorted(out)
 
 
-# Verified checkpoints of this process, keyed by path and every listed file's (size, mtime,
-# inode): the trainer and export may ask twice, and hashing gigabytes twice is a waste.
-_verified: dict = {}
+def _listed(state: dict) -> dict:
+    """{name: (sha256, size or None)} from the state's `files` (older checkpoints list the
+    sha256 alone)."""
+    out = {}
+    for name, entry in state["files"].items():
+        if isinstance(entry, str):
+            out[name] = (entry, None)
+        elif isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and \
+                isinstance(entry.get("size"), int):
+            out[name] = (entry["sha256"], entry["size"])
+        else:
+            raise CheckpointError(f"{STATE_JSON} lists {name!r} without a checksum")
+    return out
 
 
-def _stat_key(path: str, names) -> tuple:
-    key = []
-    for name in (STATE_JSON, *names):
-        st = os.stat(os.path.join(path, name))
-        key.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
-    return (os.path.realpath(path), tuple(key))
+def is_our_checkpoint(path: str) -> bool:
+    """A directory with a bert-train trainer_state.json (not, e.g., a transformers Trainer
+    checkpoint, whose trainer_state.json has global_step and log_history instead)."""
+    try:
+        state = _read_json(path)
+    except CheckpointError:
+        return os.path.lexists(os.path.join(path, STATE_JSON)) and \
+            not os.path.isfile(os.path.join(path, "config.json"))
+    return any(key in state for key in ("files", "model_config", "state_sha256"))
 
 
 def _read_json(path: str) -> dict:
     file = os.path.join(path, STATE_JSON)
-    if not os.path.isfile(file):
+    if not os.path.lexists(file):
         raise CheckpointError(f"{path} is not a checkpoint (no {STATE_JSON}); pass a "
                               f"<run_dir>/checkpoints/step-XXXXXXXX directory")
+    st = _regular(path, STATE_JSON)
+    if st.st_size > MAX_STATE_BYTES:
+        raise CheckpointError(f"{file} is {st.st_size} bytes, not a bert-train state file; the "
+                              f"checkpoint is corrupt")
     try:
-        with open(file, encoding="utf-8") as f:
-            state = json.load(f)
+        with _open_regular(file) as f:
+            state = json.loads(f.read(MAX_STATE_BYTES + 1).decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {file} ({str(exc).splitlines()[0]}); the checkpoint "
                               f"is corrupt") from None
@@ -157,9 +185,37 @@ def _read_json(path: str) -> dict:
     return state
 
 
+# Verified checkpoints of this process, keyed by path and every listed file's (size, mtime,
+# inode): the trainer, retention and export may ask several times, and hashing gigabytes twice
+# is a waste.
+_verified: dict = {}
+
+
+def _stat_key(path: str, names) -> tuple:
+    key = []
+    for name in (STATE_JSON, *names):
+        st = os.lstat(os.path.join(path, name))
+        key.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return (os.path.realpath(path), tuple(key))
+
+
+def _check_tree(path: str) -> None:
+    """Nothing in the checkpoint directory is a symlink, a device, a pipe or a socket."""
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode):
+                raise CheckpointError(f"{full} is a symbolic link; a checkpoint holds only its own "
+                                      f"regular files: replace the link by the file or remove it")
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise CheckpointError(f"{full} is not a regular file; a checkpoint holds only its "
+                                      f"own regular files: remove it")
+
+
 def verify_checkpoint(path: str) -> dict:
-    """Check every file of checkpoint `path` against the sha256 recorded when it was saved;
-    returns its train state.  Raises CheckpointError naming the first bad file.
+    """Check every file of checkpoint `path` against the sha256 and size recorded when it was
+    saved; returns its train state.  Raises CheckpointError naming the first bad file.
 
     Costs one read of the whole checkpoint (sha256 runs at several hundred MB/s per core)."""
     state = _read_json(path)
@@ -170,20 +226,29 @@ def verify_checkpoint(path: str) -> dict:
     if state["state_sha256"] != _state_digest(state):
         raise CheckpointError(f"{os.path.join(path, STATE_JSON)} does not match its checksum; "
                               f"the checkpoint is corrupt")
-    for name in files:
-        if not isinstance(name, str) or ".." in name.split("/") or os.path.isabs(name):
-            raise CheckpointError(f"{path} lists a file outside the checkpoint ({name!r})")
     try:
-        key = _stat_key(path, files)
+        listed = _listed(state)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{path}: {exc}; the checkpoint is corrupt") from None
+    for name in listed:
+        _check_name(path, name)
+    try:
+        _check_tree(path)
     except OSError as exc:
-        raise CheckpointError(f"{os.path.join(path, os.path.basename(exc.filename or ''))} "
-                              f"is missing; the checkpoint is incomplete") from None
+        raise CheckpointError(f"cannot read {path} ({exc.strerror}); the checkpoint is "
+                              f"unreadable") from None
+    sizes = {name: _regular(path, name).st_size for name in listed}
+    key = _stat_key(path, listed)
     if _verified.get(key):
         return state
-    for name, digest in files.items():
+    for name, (digest, size) in listed.items():
         file = os.path.join(path, name)
+        if size is not None and sizes[name] != size:
+            raise CheckpointError(f"{file} does not match its sha256 (it is {sizes[name]} bytes, "
+                                  f"{size} were saved: truncated or altered); the checkpoint is "
+                                  f"corrupt")
         try:
-            actual = _sha256(file)
+            actual = _sha256(file, size)
         except OSError as exc:
             raise CheckpointError(f"cannot read {file} ({exc.strerror or exc}); the checkpoint "
                                   f"is incomplete") from None
@@ -194,6 +259,38 @@ def verify_checkpoint(path: str) -> dict:
     return state
 
 
+def listed_files(state: dict, under: str = "") -> list:
+    """The names the state lists (below `under`, e.g. "tokenizer/"), sorted."""
+    return sorted(name for name in state.get("files", {}) if name.startswith(under))
+
+
+def copy_listed(path: str, state: dict, under: str, dest: str) -> list:
+    """Copy the verified checkpoint's listed files below `under` into `dest` (flattened one
+    level: `tokenizer/vocab.txt` -> `dest/vocab.txt`); new files get the user's umask.
+    Returns the names written."""
+    written = []
+    for name in listed_files(state, under):
+        rel = name[len(under):]
+        if "/" in rel:
+            continue  # the tokenizer is flat; nothing nested is ever written
+        with _open_regular(os.path.join(path, name)) as src, \
+                open(os.path.join(dest, rel), "xb") as out:
+            shutil.copyfileobj(src, out)
+        written.append(rel)
+    return written
+
+
+def read_config_yaml(path: str) -> Optional[str]:
+    """The verified checkpoint's config.yaml text, or None if it has none listed."""
+    state = _read_json(path)
+    if "config.yaml" not in state.get("files", {}):
+        return None
+    _regular(path, "config.yaml")
+    with _open_regular(os.path.join(path, "config.yaml")) as f:
+        return f.read(MAX_STATE_BYTES).decode("utf-8", errors="replace")
+
+
+# ------------------------------------------------------------------------------ writing
 def _fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -207,6 +304,17 @@ def _fsync_tree(path: str) -> None:
         for f in files:
             _fsync_path(os.path.join(dirpath, f))
         _fsync_path(dirpath)
+
+
+def write_json_atomic(file: str, content: dict) -> None:
+    """Write a small JSON file so that a crash leaves the old one or the new one, never half."""
+    tmp = f"{file}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, file)
+    _fsync_path(os.path.dirname(file) or ".")
 
 
 def rng_state() -> dict:
@@ -238,17 +346,32 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])  # this rank's current device
 
 
-def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimizer_state: dict,
-                    extra_state: dict, train_state: dict, config_yaml: str,
-                    tokenizer_dir: Optional[str], keep_last_k: int,
-                    rank: int = 0, barrier: Callable[[], None] = lambda: None) -> str:
-    """Write checkpoint `step` (all ranks call this; rank 0 writes all but its RNG files).
+def tokenizer_files(tokenizer_dir: str) -> list:
+    """The tokenizer's own files: the regular files directly in `tokenizer_dir`. A symlink or
+    anything else there is refused: a checkpoint copies these and an export ships them."""
+    out = []
+    for name in sorted(os.listdir(tokenizer_dir)):
+        full = os.path.join(tokenizer_dir, name)
+        mode = os.lstat(full).st_mode
+        if stat.S_ISLNK(mode) or not stat.S_ISREG(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+            raise CheckpointError(f"{full} is {what}; the tokenizer directory must hold only its "
+                                  f"own files: remove it (or copy the file in its place)")
+        out.append(name)
+    return out
 
-    Raises CheckpointError (with the previous checkpoint intact) on OSError such as ENOSPC.
-    """
-    root = checkpoints_root(run_dir)
-    final = os.path.join(root, f"step-{step:08d}")
-    tmp = os.path.join(root, f".tmp-step-{step:08d}")
+
+def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_state: dict,
+                     extra_state: dict, train_state: dict, config_yaml: str,
+                     tokenizer_dir: Optional[str], rank: int = 0,
+                     barrier: Callable[[], None] = lambda: None) -> str:
+    """Write checkpoint `step` into `root` (all ranks call this; rank 0 writes all but its RNG
+    files).  Keeps nothing else in mind: no pointer, no retention (the manager's job).
+
+    Raises CheckpointError (with every other checkpoint intact) on OSError such as ENOSPC; the
+    caller adds what the user can do."""
+    final = os.path.join(root, step_dir_name(step))
+    tmp = os.path.join(root, ".tmp-" + step_dir_name(step))
     ok = True
     if rank == 0:
         os.makedirs(root, exist_ok=True)
@@ -272,16 +395,20 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(redact(config_yaml))  # a config may interpolate a token from the env
         if tokenizer_dir and os.path.isdir(tokenizer_dir):
-            shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+            os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
+            for name in tokenizer_files(tokenizer_dir):
+                shutil.copyfile(os.path.join(tokenizer_dir, name),
+                                os.path.join(tmp, TOKENIZER_DIR, name), follow_symlinks=False)
         # trainer_state.json last: it is what marks a checkpoint directory as complete, and it
         # carries the checksums of everything written before it.
-        state = {**train_state, "step": step,
-                 "files": {name: _sha256(os.path.join(tmp, name)) for name in _files_of(tmp)}}
+        state = {**train_state, "step": step, "files": {
+            name: {"sha256": _sha256(os.path.join(tmp, name)),
+                   "size": os.path.getsize(os.path.join(tmp, name))} for name in _files_of(tmp)}}
         state["state_sha256"] = _state_digest(state)
         with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2)
         _fsync_tree(tmp)
-        if os.path.exists(final):  # re-saving the same step (e.g. the final save after resume)
+        if os.path.exists(final):  # re-saving the same step
             old = final + ".old"
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
@@ -290,48 +417,18 @@ def save_checkpoint(run_dir: str, step: int, *, model: torch.nn.Module, optimize
         else:
             os.rename(tmp, final)
         _fsync_path(root)
-    except OSError as exc:
+    except (OSError, CheckpointError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(run_dir, verify=False)
-        kept = f"the previous checkpoint {previous} is intact" if previous else \
-            "no earlier checkpoint exists"
         barrier()
+        reason = getattr(exc, "strerror", None) or exc
         raise CheckpointError(
-            f"could not save checkpoint step {step} in {root} ({exc.strerror or exc}); {kept}; "
-            f"free disk space and rerun with resume=auto"
-        ) from None
-    for _, path in list_checkpoints(run_dir)[:-keep_last_k] if keep_last_k > 0 else []:
-        _remove(path)
+            f"could not save checkpoint step {step} in {root} ({reason})") from None
+    _verified[_stat_key(final, state["files"])] = True  # just hashed while writing
     barrier()
     return final
 
 
-def _remove(path: str) -> None:
-    """Delete a checkpoint so that a crash midway never leaves a half-deleted `step-*` that
-    still looks complete: rename it out of the checkpoint namespace first."""
-    doomed = os.path.join(os.path.dirname(path), ".del-" + os.path.basename(path))
-    try:
-        os.rename(path, doomed)
-    except OSError:
-        return
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def clean_partial(run_dir: str) -> None:
-    """Remove leftovers of interrupted saves and deletions (never valid checkpoints).  A
-    `step-X.old` whose `step-X` is missing (killed between the two renames of a re-save) is the
-    only copy of that checkpoint: it is put back."""
-    root = checkpoints_root(run_dir)
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.endswith(".old") and STEP_DIR.match(name[:-4]) and \
-                    not os.path.exists(path[:-4]):
-                os.rename(path, path[:-4])
-            elif name.startswith((".tmp-step-", ".del-step-")) or name.endswith(".old"):
-                shutil.rmtree(path, ignore_errors=True)
-
-
+# ------------------------------------------------------------------------------ loading
 def read_train_state(path: str, verify: bool = True) -> dict:
     """The train state of checkpoint `path`, after verifying all its files' checksums
     (verify=False: for a checkpoint another process has just verified)."""
@@ -359,6 +456,7 @@ def check_compatible(path: str, state: dict, model_config: dict,
 
 def load_weights(path: str, model: torch.nn.Module) -> None:
     file = os.path.join(path, "model.safetensors")
+    _regular(path, "model.safetensors")
     try:
         load_model(model, file, strict=True)
     except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
@@ -370,7 +468,11 @@ def _load_plain(file: str):
     """torch.load that only rebuilds tensors and plain containers: a pickle that would import
     or call anything else (e.g. a `__reduce__` payload) is refused before it runs."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        _regular(os.path.dirname(file), os.path.basename(file))
+        with _open_regular(file) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:  # UnpicklingError (refused object), EOFError, RuntimeError, OSError
         text = str(exc)
         if "weights_only" in text or "Unsupported global" in text or "Unsupported operand" in text:

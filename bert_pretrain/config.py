@@ -16,7 +16,7 @@ from .data import DataConfig
 from .errors import ConfigError
 from .metrics import LoggerConfig
 from .optim import OptimConfig, SchedulerConfig
-from .trainer import TrainerConfig
+from .trainer_config import TrainerConfig
 
 
 @dataclass

@@ -144,7 +144,7 @@ class PreparedData:
             self.max_predictions = int(m["max_predictions_per_seq"])
             self.vocab_size = int(m["vocab_size"])
             self.special = {k: int(v) for k, v in m["special_token_ids"].items()}
-            self.tokenizer_dir = os.path.join(root, m["tokenizer"]["path"])
+            self.tokenizer_dir = _own_dir(root, m["tokenizer"]["path"], manifest_path)
             self.tokenizer_sha256 = m["tokenizer"].get("sha256")
             self.masking = m.get("masking", {})
             splits = m["splits"]
@@ -177,6 +177,30 @@ class PreparedData:
             raise DataError(f"{vocab_file} has {len(vocab)} tokens but manifest.json says "
                             f"vocab_size={self.vocab_size}; re-run bert-prep")
         return vocab[:self.vocab_size]
+
+
+def _own_dir(root: str, rel, manifest_path: str) -> str:
+    """The tokenizer directory the manifest names, which must be the data directory's own: a
+    path that leaves it (absolute, '..', a link out) or holds links would be copied into every
+    checkpoint and shipped by every export."""
+    import stat
+
+    path = os.path.join(root, rel) if isinstance(rel, str) else None
+    if path is None or os.path.isabs(rel) or not os.path.realpath(path).startswith(
+            os.path.join(os.path.realpath(root), "")):
+        raise DataError(f"{manifest_path}: tokenizer.path {rel!r} is not a directory inside "
+                        f"{root}; the tokenizer must be the data directory's own files (re-run "
+                        f"bert-prep, or copy the tokenizer into {root} and name it relatively)")
+    if os.path.isdir(path):
+        for name in os.listdir(path):
+            mode = os.lstat(os.path.join(path, name)).st_mode
+            if not stat.S_ISREG(mode):
+                raise DataError(f"{os.path.join(path, name)} is "
+                                f"{'a symbolic link' if stat.S_ISLNK(mode) else 'not a file'}; "
+                                f"the tokenizer directory must hold only its own files (it is "
+                                f"copied into every checkpoint): replace it by the file or "
+                                f"remove it")
+    return path
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ def model_inputs(batch: dict, device) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, accelerator, batches, progress=None, mask_id=None) -> dict:
+def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None) -> dict:
     """Token-weighted MLM loss/accuracy and NSP loss/accuracy over the held-out batches.
 
     Sums are reduced over processes, so the result is the same for any number of processes.
@@ -23,13 +23,14 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None) -> dict:
     `eval_nsp_accuracy_balanced` is the mean of the accuracies on true-next and on random-next
     pairs: the accuracy the split would give if it held both in equal numbers (held-out
     documents are few, and short ones give more random-next pairs, so a split can be 56/44).
+    `autocast`: a context-manager factory (the run's precision policy); default accelerate's.
     """
     was_training = model.training
     model.eval()
     sums = torch.zeros(12, dtype=torch.float64, device=accelerator.device)
     for batch in batches:
         inputs = model_inputs(batch, accelerator.device)
-        with accelerator.autocast():
+        with (autocast or accelerator.autocast)():
             out = model(**inputs)
         keep = inputs["labels"].reshape(-1) != -100
         # (sparse rows are the labelled positions in row-major order, as this selection)

@@ -5,9 +5,18 @@
 
 writes config.json (a transformers BertConfig), model.safetensors (transformers'
 BertForPreTraining key names, the tied decoder left out as transformers saves it) and the
-tokenizer files, so that stock transformers loads it with no code from this project:
-BertForPreTraining / BertForMaskedLM / AutoModel / AutoModelForSequenceClassification (a new
-classifier on top) and AutoTokenizer. Every file is mode 0644 (readable by whoever serves it).
+tokenizer files the checkpoint lists (nothing else in its folder is copied), so that stock
+transformers loads it with no code from this project: BertForPreTraining / BertForMaskedLM /
+AutoModel / AutoModelForSequenceClassification (a new classifier on top) and AutoTokenizer.
+Files and the directory get the permissions the user's umask gives, as any file they create.
+
+`--head` chooses what the export holds, so the class it is loaded as finds exactly its keys and
+transformers (>= 5) prints no load report of "UNEXPECTED" keys that reads like an error:
+`pretraining` (the default: everything, for BertForPreTraining, and for AutoModelFor* classes
+that then report the heads they leave out), `masked-lm` (encoder + MLM head: BertForMaskedLM and
+pipeline("fill-mask") load it without a report; the pooler and the NSP head are left out) and
+`encoder` (encoder + pooler: BertModel; a sequence classifier on top reports only its new
+`classifier` as MISSING, which is what fine-tuning trains).
 
 Models transformers cannot compute are refused rather than exported into something that loads
 silently as a different model: pre-LN (no transformers BERT has it) and, under transformers >= 5
@@ -26,7 +35,10 @@ from .errors import UserError
 
 # transformers ties these to the word embeddings / `cls.predictions.bias` and does not save them.
 TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
-FILE_MODE = 0o644
+# --head: (architecture written in config.json, key prefixes left out of the weights)
+HEADS = {"pretraining": ("BertForPreTraining", ()),
+         "masked-lm": ("BertForMaskedLM", ("bert.pooler.", "cls.seq_relationship.")),
+         "encoder": ("BertModel", ("cls.",))}
 
 
 def _installed_transformers_major():
@@ -51,11 +63,13 @@ def representable(config) -> None:
                         f"pip install 'transformers<5' and export again, or use bert-predict")
 
 
-def export(source: str, out_dir: str) -> str:
-    """Export `source` (a run dir or a checkpoint) to `out_dir`; returns the checkpoint used."""
+def export(source: str, out_dir: str, head: str = "pretraining") -> str:
+    """Export `source` (a run dir or a checkpoint) to `out_dir` with the weights of `head`
+    (HEADS); returns the checkpoint used."""
     from safetensors.torch import save_file
 
     from . import checkpoint as ckpt
+    from .hf_import import is_hf_model_dir
     from .model import BertForPreTraining
     from .model_loading import checkpoint_config, resolve_checkpoint
 
@@ -63,14 +77,26 @@ def export(source: str, out_dir: str) -> str:
         raise UserError(f"{out_dir} is a file; choose a new output directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} exists and is not empty; choose a new output directory")
-    checkpoint_dir = resolve_checkpoint(source)
+    if os.path.isdir(source) and is_hf_model_dir(source):
+        raise UserError(f"{source} is already a transformers model directory (config.json + "
+                        f"weights): load it with from_pretrained as it is; bert-export takes a "
+                        f"bert-train run directory or checkpoint")
+    checkpoint_dir = resolve_checkpoint(
+        source, warn=lambda m: print(f"bert-export: warning: {m}", file=sys.stderr))
+    state = ckpt.read_train_state(checkpoint_dir)  # (verified by resolve_checkpoint: cached)
     config = checkpoint_config(checkpoint_dir)
     representable(config)
-    hf_config = config.to_hf_dict()
+    architecture, left_out = HEADS[head]
+    hf_config = {**config.to_hf_dict(), "architectures": [architecture]}
     model = BertForPreTraining(config)
     ckpt.load_weights(checkpoint_dir, model)
-    tensors = {k: v.detach().contiguous().clone() for k, v in model.hf_state_dict().items()
-               if k not in TIED_KEYS}
+    if head == "encoder":  # BertModel's own key names have no "bert." prefix
+        weights = {k[len("bert."):]: v for k, v in model.hf_state_dict().items()
+                   if k.startswith("bert.")}
+    else:
+        weights = {k: v for k, v in model.hf_state_dict().items()
+                   if k not in TIED_KEYS and not k.startswith(left_out)}
+    tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     # Written beside out_dir and renamed into place: an interrupted export leaves no half
@@ -80,16 +106,18 @@ def export(source: str, out_dir: str) -> str:
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
-        tokenizer = os.path.join(checkpoint_dir, "tokenizer")
-        if os.path.isdir(tokenizer):
-            for name in os.listdir(tokenizer):
-                shutil.copyfile(os.path.join(tokenizer, name), os.path.join(tmp, name))
-        else:
+        under = ckpt.TOKENIZER_DIR + "/"
+        if not ckpt.copy_listed(checkpoint_dir, state, under, tmp):
             print(f"bert-export: warning: {checkpoint_dir} has no tokenizer/; only the model was "
                   f"exported", file=sys.stderr)
+        # What the user's umask gives a new file and directory (mkdtemp makes 0700 and
+        # safetensors writes 0600): no wider, so a private key never leaves readable, and no
+        # narrower, so the export can be served or shared as the user's files are.
+        umask = os.umask(0)
+        os.umask(umask)
         for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), FILE_MODE)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.rename(tmp, out_dir)
@@ -108,13 +136,22 @@ def main(argv=None) -> None:
                                        "or a <run_dir>/checkpoints/step-XXXXXXXX directory")
     parser.add_argument("out_dir", help="a new directory for config.json, model.safetensors and "
                                         "the tokenizer files")
+    parser.add_argument("--head", choices=tuple(HEADS), default="pretraining",
+                        help="what the export holds: pretraining (default: everything, for "
+                             "BertForPreTraining), masked-lm (for BertForMaskedLM and "
+                             "pipeline('fill-mask'): no pooler, no NSP head), encoder (for "
+                             "BertModel and fine-tuning: no pretraining heads)")
     args = parser.parse_args(argv)
     try:
-        used = export(args.source, args.out_dir)
+        used = export(args.source, args.out_dir, args.head)
     except UserError as exc:
         fail("bert-export", str(exc))
-    print(f"bert-export: exported {used} to {args.out_dir} (transformers "
-          f"BertForPreTraining/BertForMaskedLM/AutoModel.from_pretrained load it)")
+    loaders = {"pretraining": "BertForPreTraining (and, reporting the heads they leave out, "
+                              "BertForMaskedLM, AutoModel, AutoModelFor*)",
+               "masked-lm": "BertForMaskedLM and pipeline('fill-mask')",
+               "encoder": "AutoModel / BertModel and AutoModelForSequenceClassification"}
+    print(f"bert-export: exported {used} to {args.out_dir} (transformers loads it as "
+          f"{loaders[args.head]})")
 
 
 if __name__ == "__main__":

@@ -55,10 +55,14 @@ BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
 def is_hf_model_dir(path: str) -> bool:
-    """A directory with config.json and transformers weights (not one of our checkpoints)."""
+    """A directory with config.json and transformers weights that is not one of our checkpoints
+    (a transformers `Trainer` checkpoint folder has a trainer_state.json of its own, with
+    global_step and log_history: it is a transformers model directory)."""
+    from .checkpoint import is_our_checkpoint
+
     return (os.path.isfile(os.path.join(path, CONFIG_FILE))
             and any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES)
-            and not os.path.isfile(os.path.join(path, "trainer_state.json")))
+            and not is_our_checkpoint(path))
 
 
 def read_hf_config(path: str) -> dict:
@@ -243,3 +247,19 @@ def check_against_data(path: str, config: dict, data) -> list:
         raise DataError(f"trainer.init_from={path} does not match the data in {data.root}: "
                         f"{'; '.join(problems)}; {fix}")
     return notes
+
+
+def import_for_training(path: str, data, seed: int) -> tuple[dict, dict, list]:
+    """Continued pretraining from a transformers BERT directory (trainer.init_from): (model
+    config, state dict, notes to print). Its config.json is the model (model.* settings are not
+    used) and its tokenizer must be the data's."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config, state = read_hf_model(path, seed=seed)
+        notes = check_against_data(path, config, data)
+    pad = data.special.get("pad", 0)
+    if config.get("pad_token_id", pad) != pad:
+        raise DataError(f"trainer.init_from={path} has pad_token_id {config['pad_token_id']} but "
+                        f"[PAD] is token {pad} in the data; prepare the data with bert-prep "
+                        f"tokenizer.vocab_file={path}")
+    return {**config, "pad_token_id": pad}, state, [str(w.message) for w in caught] + list(notes)

@@ -38,7 +38,9 @@ class LoggerConfig:
 
 
 def truncate_jsonl(path: str, max_step: int) -> None:
-    """On resume: drop records logged after the checkpoint (they will be logged again)."""
+    """On resume: drop records logged after the checkpoint (they will be logged again). Written
+    to a temporary file and renamed over the log, so a crash here leaves the old log or the new
+    one, never a half-written one."""
     if not os.path.isfile(path):
         return
     with open(path, encoding="utf-8") as f:
@@ -47,11 +49,56 @@ def truncate_jsonl(path: str, max_step: int) -> None:
     for ln in lines:
         try:
             if json.loads(ln).get("step", 0) <= max_step:
-                kept.append(ln)
+                kept.append(ln if ln.endswith("\n") else ln + "\n")
         except ValueError:  # a line cut short by a crash
             continue
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
         f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class LogWindow:
+    """The sums behind the next metrics.jsonl training record: the steps since the last one.
+
+    Saved in every checkpoint, so that a run resumed in the middle of a logging window logs the
+    same averages as an uninterrupted one (only the timing fields differ). `seconds` counts
+    training steps only, so tokens/s is not diluted by evaluation and checkpoint time."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss = self.mlm_loss = self.nsp_loss = 0.0
+        self.updated_steps, self.tokens, self.seconds = 0, 0, 0.0
+
+    def add(self, loss: float, mlm_loss: float, nsp_loss: float, updated: bool, tokens: int,
+            seconds: float) -> None:
+        if updated:  # a skipped step's non-finite loss would poison the average
+            self.loss += loss
+            self.mlm_loss += mlm_loss
+            self.nsp_loss += nsp_loss
+            self.updated_steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    def averages(self) -> dict:
+        """loss, mlm_loss, nsp_loss (None when every step of the window was skipped) and
+        tokens_per_s over the window's training time."""
+        n = self.updated_steps
+        out = {k: (getattr(self, k) / n if n else None) for k in ("loss", "mlm_loss", "nsp_loss")}
+        out["tokens_per_s"] = self.tokens / max(self.seconds, 1e-9)
+        return out
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("loss", "mlm_loss", "nsp_loss", "updated_steps",
+                                              "tokens", "seconds")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
 
 
 def eval_record_at(run_dir: str, step: int) -> Optional[dict]:

@@ -1,6 +1,6 @@
 """Find and load a trained model, whatever the user points at:
 
-* a run directory (`runs/demo`): its latest valid checkpoint;
+* a run directory (`runs/demo`): the newest valid checkpoint of its current line;
 * a checkpoint (`runs/demo/checkpoints/step-00000400`);
 * a transformers directory (`bert-export` output, or any `save_pretrained` BERT).
 
@@ -25,27 +25,31 @@ class LoadedModel:
     """What was loaded, for messages: the checkpoint or the transformers directory."""
 
 
-def resolve_checkpoint(path: str) -> str:
-    """A checkpoint directory from a run directory (its latest valid checkpoint) or a checkpoint;
-    integrity-checked where checkpoint.verify_checkpoint exists."""
+def resolve_checkpoint(path: str, warn=None) -> str:
+    """A verified checkpoint directory from a run directory (the newest valid checkpoint of its
+    current line, as resume=auto picks: checkpoint_manager.py) or a checkpoint."""
     from . import checkpoint as ckpt
+    from .checkpoint_manager import CheckpointManager, checkpoints_root
 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a run directory, a "
                               f"<run_dir>/checkpoints/step-XXXXXXXX checkpoint or a bert-export "
                               f"directory")
-    if not os.path.isfile(os.path.join(path, ckpt.STATE_JSON)):
-        if os.path.isdir(ckpt.checkpoints_root(path)):
-            latest = ckpt.latest_checkpoint(path)
+    if not os.path.lexists(os.path.join(path, ckpt.STATE_JSON)):
+        if os.path.isdir(checkpoints_root(path)):
+            latest = CheckpointManager(path, warn=warn).latest()
             if latest is None:
                 raise CheckpointError(f"run directory {path} has no valid checkpoint yet")
-            path = latest
-        else:
-            raise CheckpointError(f"{path} is neither a run directory (no checkpoints/) nor a "
-                                  f"checkpoint (no {ckpt.STATE_JSON})")
-    verify = getattr(ckpt, "verify_checkpoint", None)  # sha256 checks, where available
-    if verify is not None:
-        verify(path)
+            return latest
+        raise CheckpointError(f"{path} is neither a run directory (no checkpoints/), a "
+                              f"checkpoint (no {ckpt.STATE_JSON}) nor a transformers model "
+                              f"directory (config.json + model.safetensors or pytorch_model.bin)")
+    if not ckpt.is_our_checkpoint(path):
+        raise CheckpointError(f"{path} has a {ckpt.STATE_JSON} that bert-train did not write "
+                              f"(a transformers Trainer checkpoint?) and no model weights "
+                              f"beside a config.json; pass the folder that holds config.json "
+                              f"and model.safetensors")
+    ckpt.verify_checkpoint(path)
     return path
 
 
@@ -61,8 +65,9 @@ def checkpoint_config(checkpoint: str):
         raise CheckpointError(f"{checkpoint}: unreadable model config ({exc})") from None
 
 
-def load_model(path: str) -> LoadedModel:
-    """Our BertForPreTraining from a run dir, a checkpoint or a transformers directory."""
+def load_model(path: str, warn=None) -> LoadedModel:
+    """Our BertForPreTraining from a run dir, a checkpoint or a transformers directory. `warn`
+    gets each warning line (e.g. a damaged checkpoint skipped)."""
     from . import checkpoint as ckpt
     from .hf_import import is_hf_model_dir, read_hf_model
     from .model import BertConfig, BertForPreTraining, ModelImpl
@@ -73,11 +78,13 @@ def load_model(path: str) -> LoadedModel:
         model.load_state_dict(state, strict=True)
         tokenizer = path if _has_tokenizer(path) else None
         return LoadedModel(model.eval(), tokenizer, path)
-    checkpoint = resolve_checkpoint(path)
+    checkpoint = resolve_checkpoint(path, warn)
     model = BertForPreTraining(checkpoint_config(checkpoint), ModelImpl())
     ckpt.load_weights(checkpoint, model)
-    tokenizer = os.path.join(checkpoint, "tokenizer")
-    return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) else None, checkpoint)
+    tokenizer = os.path.join(checkpoint, ckpt.TOKENIZER_DIR)
+    has = ckpt.listed_files(ckpt.read_train_state(checkpoint), ckpt.TOKENIZER_DIR + "/")
+    return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) and has else None,
+                       checkpoint)
 
 
 def one_line_warnings(prog: str) -> None:

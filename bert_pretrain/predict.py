@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from .cli_errors import fail
 from .errors import UserError
@@ -30,7 +31,8 @@ class Predictor:
     def __init__(self, model_path: str):
         from .model_loading import load_model, load_tokenizer
 
-        self.loaded = load_model(model_path)
+        self.loaded = load_model(
+            model_path, warn=lambda m: print(f"{PROG}: warning: {m}", file=sys.stderr))
         self.model = self.loaded.model
         self.tokenizer = load_tokenizer(self.loaded)
         self.mask_id = self.tokenizer.token_to_id("[MASK]")
@@ -86,15 +88,17 @@ def _read_items(args, parser) -> list:
     if args.file:
         try:
             with open(args.file, encoding="utf-8") as f:
-                lines = [ln.rstrip("\n") for ln in f if ln.strip()]
+                # (number, line) with the file's own line numbers: blank lines are skipped,
+                # not renumbered
+                lines = [(n, ln.rstrip("\n")) for n, ln in enumerate(f, 1) if ln.strip()]
         except OSError as exc:
             raise UserError(f"cannot read --file {args.file} ({exc.strerror})") from None
         if not lines:
             raise UserError(f"--file {args.file} is empty")
         if not pair:
-            return [(ln,) for ln in lines]
+            return [(ln,) for _, ln in lines]
         items = []
-        for n, ln in enumerate(lines, 1):
+        for n, ln in lines:
             parts = ln.split("\t")
             if len(parts) != 2:
                 raise UserError(f"{args.file} line {n}: expected 'sentence A<TAB>sentence B', "

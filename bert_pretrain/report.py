@@ -73,11 +73,22 @@ def _read_config(run_dir: str, checkpoint: Optional[str]) -> dict:
     """The resolved config saved in the latest checkpoint, else Hydra's .hydra/config.yaml."""
     from omegaconf import OmegaConf
 
-    for path in ([os.path.join(checkpoint, "config.yaml")] if checkpoint else []) + \
-            [os.path.join(run_dir, ".hydra", "config.yaml")]:
-        if os.path.isfile(path):
+    from . import checkpoint as ckpt
+
+    texts = []
+    if checkpoint:
+        try:  # (read safely: a link or a device in its place is refused, not read forever)
+            texts.append(ckpt.read_config_yaml(checkpoint))
+        except (UserError, OSError):
+            pass
+    hydra_config = os.path.join(run_dir, ".hydra", "config.yaml")
+    if os.path.isfile(hydra_config) and not os.path.islink(hydra_config):
+        with open(hydra_config, encoding="utf-8") as f:
+            texts.append(f.read(ckpt.MAX_STATE_BYTES))
+    for text in texts:
+        if text is not None:
             try:
-                cfg = OmegaConf.load(path)
+                cfg = OmegaConf.create(text)
                 try:
                     return OmegaConf.to_container(cfg, resolve=True)
                 except Exception:  # ${hydra:...} interpolations outside a Hydra app
@@ -107,6 +118,7 @@ def _baseline(run: Run) -> tuple:
 
 def read_run(run_dir: str) -> Run:
     from . import checkpoint as ckpt
+    from .checkpoint_manager import CheckpointManager
 
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isdir(run_dir):
@@ -117,16 +129,15 @@ def read_run(run_dir: str) -> Run:
     records = _read_jsonl(metrics)
     if not records:
         raise UserError(f"{metrics} has no records yet: let the run log at least one step")
-    # The newest checkpoint's saved settings, read without verifying its weights (a report
-    # reads no tensor; checking a large checkpoint's checksums would take longer than the rest).
-    found = ckpt.list_checkpoints(run_dir)
-    checkpoint = found[-1][1] if found else None
+    # The newest checkpoint's saved settings (of the run's current line, as resume=auto and
+    # bert-export take it), read without verifying its weights (a report reads no tensor;
+    # checking a large checkpoint's checksums would take longer than the rest).
+    checkpoint = CheckpointManager(run_dir, warn=lambda message: None).latest(verify=False)
     model_config = {}
     if checkpoint:
         try:
-            with open(os.path.join(checkpoint, ckpt.STATE_JSON), encoding="utf-8") as f:
-                model_config = json.load(f).get("model_config", {})
-        except (OSError, ValueError):
+            model_config = ckpt.read_train_state(checkpoint, verify=False).get("model_config", {})
+        except UserError:
             pass
     config = _read_config(run_dir, checkpoint)
     name = config.get("name") or os.path.basename(os.path.normpath(run_dir))

@@ -1,5 +1,6 @@
-"""What a resume may change: finding the checkpoint, comparing the run's settings with those the
-checkpoint was trained with, and making the optimizer run with the settings of this run.
+"""What a resume may change: comparing the run's settings with those the checkpoint was trained
+with, and making the optimizer run with the settings of this run (which checkpoint a run resumes
+from is the checkpoint manager's business: checkpoint_manager.py).
 
 A resume continues a run; it may also change how the run continues (a longer schedule, another
 learning rate). Those changes are legitimate but easy to make by accident, so they are named in
@@ -8,6 +9,7 @@ one warning line at start. What makes a checkpoint unusable (model shape, tokeni
 order mid-epoch repeats some instances and skips others.
 """
 
+import math
 import os
 from typing import Optional
 
@@ -27,37 +29,20 @@ RESULT_KEYS = (
 SPEED_ONLY = ("optim.fused",)
 
 
-def find_resume(resume: str, run_dir: str, warn=None) -> Optional[str]:
-    """The checkpoint to resume from, or None for a fresh run. Its files are verified against
-    their recorded sha256: resume=auto skips corrupt ones (`warn` names each), an explicit path
-    that does not verify is an error."""
-    from .checkpoint import latest_checkpoint, list_checkpoints, verify_checkpoint
-
-    if resume == "never":
-        if list_checkpoints(run_dir):
-            raise ConfigError(
-                f"{run_dir} already has checkpoints; continue it with resume=auto, or choose "
-                f"another run_dir (or name=...) for a fresh run"
-            )
-        return None
-    if resume == "auto":
-        return latest_checkpoint(run_dir, warn=warn)
-    if not os.path.isdir(resume):
-        raise CheckpointError(f"resume={resume}: no such checkpoint directory; use resume=auto "
-                              f"or a <run_dir>/checkpoints/step-XXXXXXXX path")
-    verify_checkpoint(resume)
-    return resume
-
-
 def saved_config(checkpoint: str) -> Optional[dict]:
     """The resolved config a checkpoint was written with (its config.yaml), or None."""
     from omegaconf import OmegaConf
 
+    from .checkpoint import read_config_yaml
+
     path = os.path.join(checkpoint, "config.yaml")
-    if not os.path.isfile(path):
-        return None
     try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        text = read_config_yaml(checkpoint)
+        if text is None:
+            return None
+        return OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    except CheckpointError:
+        raise
     except Exception as exc:  # YAML errors come in several types
         raise CheckpointError(f"cannot read {path} ({str(exc).splitlines()[0]}); the checkpoint "
                               f"is corrupt") from None
@@ -111,3 +96,37 @@ def apply_hyperparameters(optimizer, fresh_groups: list) -> None:
         for key, value in fresh.items():
             if key not in ("params", "lr", "initial_lr"):
                 group[key] = value
+
+
+def lr_change_at(old: dict, step: int, new_lr: Optional[float]) -> Optional[tuple]:
+    """(step, old lr, new lr) at the resume step when the lr moves (new_lr None: budget mode,
+    where the schedule follows time and no step's lr is known in advance)."""
+    from .optim import Schedule, SchedulerConfig
+    from .trainer_config import TrainerConfig
+
+    if new_lr is None:
+        return None
+    try:
+        old_trainer = TrainerConfig(**{k: v for k, v in old["trainer"].items()
+                                       if k in TrainerConfig.__dataclass_fields__})
+        old_schedule = Schedule(SchedulerConfig(**old["scheduler"]), old_trainer.max_steps,
+                                old_trainer.warmup)
+        before = float(old["optim"]["lr"]) * old_schedule.factor(step)
+    except (KeyError, TypeError, ValueError):  # a checkpoint of an older config layout
+        return None
+    return None if math.isclose(before, new_lr, rel_tol=1e-12) else (step, before, new_lr)
+
+
+def changed_settings_warning(checkpoint: str, saved: Optional[dict], resolved: dict, step: int,
+                             new_lr: Optional[float]) -> Optional[str]:
+    """The one warning line of a resume with changed settings, or None when nothing changed."""
+    from .redact import redact
+
+    if saved is None:
+        return None
+    # (the saved config.yaml is redacted: compare like with like, print no secret)
+    changes = changed_settings(saved, redact(resolved))
+    if not changes:
+        return None
+    return (f"bert-train: warning: resuming {checkpoint} with changed settings (they apply from "
+            f"step {step} on): {describe(changes, lr_change_at(saved, step, new_lr))}")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bert_pretrain import checkpoint as ckpt
+from bert_pretrain import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO
@@ -23,13 +24,13 @@ SMALL = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_h
 
 def _save(run_dir, step, model, keep=3, tokenizer_dir=None):
     opt = torch.optim.AdamW(model.parameters())
-    return ckpt.save_checkpoint(
-        run_dir, step, model=model, optimizer_state=opt.state_dict(),
+    return cm.CheckpointManager(run_dir, keep_last_k=keep).save(
+        step, model=model, optimizer_state=opt.state_dict(),
         extra_state={"schedule": {"warmup_end_elapsed": 0.0}, "scaler": None},
         train_state={"tokens_seen": step * 10, "samples_consumed": step * 4,
                      "elapsed_seconds": 1.0, "model_config": model.config.to_dict(),
                      "tokenizer_sha256": "abc"},
-        config_yaml="seed: 1\n", tokenizer_dir=tokenizer_dir, keep_last_k=keep)
+        config_yaml="seed: 1\n", tokenizer_dir=tokenizer_dir)
 
 
 def test_save_load_roundtrip_and_keep_last_k(tmp_path):
@@ -41,8 +42,8 @@ def test_save_load_roundtrip_and_keep_last_k(tmp_path):
     run = str(tmp_path / "run")
     for step in (1, 2, 3, 4):
         _save(run, step, model, keep=2, tokenizer_dir=str(tok))
-    assert [s for s, _ in ckpt.list_checkpoints(run)] == [3, 4]
-    path = ckpt.latest_checkpoint(run)
+    assert [s for s, _ in cm.list_checkpoints(run)] == [3, 4]
+    path = cm.latest_checkpoint(run)
     assert sorted(os.listdir(path)) == sorted([
         "config.yaml", "model.safetensors", "optimizer.pt", "rng_state_rank0.pt", "tokenizer",
         "trainer_state.json", "trainer_state.pt"])
@@ -70,8 +71,8 @@ def test_disk_full_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"No space left on device.*step-00000001 is intact"):
         _save(run, 2, model)
     monkeypatch.undo()
-    assert ckpt.list_checkpoints(run) == [(1, good)]
-    assert not [n for n in os.listdir(ckpt.checkpoints_root(run)) if n.startswith(".tmp")]
+    assert cm.list_checkpoints(run) == [(1, good)]
+    assert not [n for n in os.listdir(cm.checkpoints_root(run)) if n.startswith(".tmp")]
     ckpt.load_weights(good, BertForPreTraining(BertConfig(**SMALL)))
     ckpt.load_states(good, 0)
 
@@ -98,15 +99,16 @@ def test_killed_while_saving_never_leaves_a_valid_looking_partial(tmp_path):
     time.sleep(0.37)        # then kill at an arbitrary moment, most likely inside a save
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    found = ckpt.list_checkpoints(run)
+    found = cm.list_checkpoints(run)
     assert found
     for step, path in found:
         cfg = dict(SMALL, hidden_size=128, intermediate_size=512, vocab_size=4000)
         ckpt.load_weights(path, BertForPreTraining(BertConfig(**cfg)))
         ckpt.load_states(path, 0)
         assert ckpt.read_train_state(path)["step"] == step
-    ckpt.clean_partial(run)
-    assert all(n.startswith("step-") for n in os.listdir(ckpt.checkpoints_root(run)))
+    cm.CheckpointManager(run).repair()
+    assert all(n.startswith("step-") or n == cm.POINTER
+               for n in os.listdir(cm.checkpoints_root(run)))
 
 
 def test_checkpoint_from_another_model_size_is_refused(tmp_path):
@@ -160,7 +162,7 @@ def test_damaged_checkpoint_is_detected_and_resume_auto_skips_it(tmp_path, capsy
     run = str(tmp_path / "run")
     good = _save(run, 1, model, tokenizer_dir=str(tok))
     bad = _save(run, 2, model, tokenizer_dir=str(tok))
-    assert ckpt.latest_checkpoint(run) == bad  # (and the verification is cached: see below)
+    assert cm.latest_checkpoint(run) == bad  # (and the verification is cached: see below)
     spoil(os.path.join(bad, name))
     with pytest.raises(CheckpointError, match=os.path.basename(name)) as err:
         ckpt.verify_checkpoint(bad)
@@ -168,8 +170,8 @@ def test_damaged_checkpoint_is_detected_and_resume_auto_skips_it(tmp_path, capsy
     with pytest.raises(CheckpointError, match=os.path.basename(name)):
         ckpt.read_train_state(bad)  # what an explicit resume=<path> and init_from go through
     capsys.readouterr()
-    assert ckpt.latest_checkpoint(run) == good
-    assert ckpt.latest_checkpoint(run) == good
+    assert cm.latest_checkpoint(run) == good
+    assert cm.latest_checkpoint(run) == good
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 1 and "skipping damaged checkpoint" in warnings[0] and \
         bad in warnings[0], warnings
@@ -187,8 +189,8 @@ def test_checkpoint_without_checksums_is_not_trusted(tmp_path):
         ckpt.verify_checkpoint(path)
     # its only checkpoint is unusable: resume=auto must not quietly start the run over
     with pytest.raises(CheckpointError, match=r"all 1 checkpoint\(s\) in .* are damaged"):
-        ckpt.latest_checkpoint(str(tmp_path / "run"))
-    assert ckpt.latest_checkpoint(str(tmp_path / "empty")) is None
+        cm.latest_checkpoint(str(tmp_path / "run"))
+    assert cm.latest_checkpoint(str(tmp_path / "empty")) is None
 
 
 def test_killed_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path):
@@ -197,6 +199,6 @@ def test_killed_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path):
     path = _save(run, 1, model)
     os.rename(path, path + ".old")  # what a crash between rename(final, old) and
     os.makedirs(path.replace("step-", ".tmp-step-"))  # rename(tmp, final) leaves
-    ckpt.clean_partial(run)
-    assert ckpt.latest_checkpoint(run) == path
-    assert sorted(os.listdir(ckpt.checkpoints_root(run))) == ["step-00000001"]
+    cm.CheckpointManager(run).repair()
+    assert cm.latest_checkpoint(run) == path
+    assert sorted(os.listdir(cm.checkpoints_root(run))) == [cm.POINTER, "step-00000001"]

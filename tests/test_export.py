@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bert_pretrain import checkpoint as ckpt
+from bert_pretrain import checkpoint_manager as cm
 from bert_pretrain import export as export_mod
 from bert_pretrain.errors import UserError
 from bert_pretrain.export import export
@@ -62,7 +63,7 @@ def _ours(checkpoint):
 def test_export_of_a_run_loads_in_every_transformers_class(run, tmp_path, capsys):
     out = str(tmp_path / "hf")
     used = export(run, out)
-    assert used == ckpt.latest_checkpoint(run) and used.endswith("step-00000006")
+    assert used == cm.latest_checkpoint(run) and used.endswith("step-00000006")
     ours = _ours(used)
     ids, mask, types = _inputs()
     keep = mask.bool()
@@ -98,12 +99,14 @@ def test_export_of_a_run_loads_in_every_transformers_class(run, tmp_path, capsys
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.convert_tokens_to_ids("[MASK]") == 4
     assert tokenizer("w1 w2")["input_ids"] == [2, 6, 7, 3]
-    for name in os.listdir(out):
-        assert stat.S_IMODE(os.stat(os.path.join(out, name)).st_mode) == 0o644, name
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(out):  # what the user's umask gives any new file
+        assert stat.S_IMODE(os.stat(os.path.join(out, name)).st_mode) == 0o666 & ~umask, name
 
 
 def test_export_of_a_checkpoint(run, tmp_path):
-    first = ckpt.list_checkpoints(run)[0][1]
+    first = cm.list_checkpoints(run)[0][1]
     out = str(tmp_path / "hf3")
     assert export(first, out) == first
     theirs = transformers.BertForPreTraining.from_pretrained(out).eval()
@@ -143,9 +146,9 @@ def _fake_checkpoint(root, **model):
     """A checkpoint of a model variant, written by the checkpoint writer bert-train uses."""
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=32, **model)
-    ckpt.save_checkpoint(root, 1, model=BertForPreTraining(config), optimizer_state={},
-                         extra_state={}, train_state={"model_config": config.to_dict()},
-                         config_yaml="", tokenizer_dir=None, keep_last_k=1)
+    cm.CheckpointManager(root, keep_last_k=1).save(
+        1, model=BertForPreTraining(config), optimizer_state={}, extra_state={},
+        train_state={"model_config": config.to_dict()}, config_yaml="", tokenizer_dir=None)
     return root
 
 
@@ -180,3 +183,51 @@ def test_round_trip_export_then_import_gives_the_same_weights(run, tmp_path):
     assert state.keys() == original.keys()
     for key, value in original.items():
         assert torch.equal(state[key], value), key
+
+
+def _load_reports():
+    """Everything transformers logs (its load report among it), as a list that fills up."""
+    import logging
+
+    messages = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    return messages, handler
+
+
+def test_head_choice_loads_without_a_report_of_unexpected_keys(run, tmp_path):
+    """--head masked-lm: BertForMaskedLM and pipeline('fill-mask') find exactly their keys, so
+    transformers prints no load report (the default export shows the pooler and NSP head as
+    UNEXPECTED there, which users read as an error); --head encoder: BertModel, likewise."""
+    import logging
+
+    used = cm.latest_checkpoint(run)
+    ours = _ours(used)
+    ids, mask, types = _inputs()
+    keep = mask.bool()
+    mlm_dir, enc_dir, full = (str(tmp_path / n) for n in ("mlm", "enc", "full"))
+    export(run, mlm_dir, head="masked-lm")
+    export(run, enc_dir, head="encoder")
+    export(run, full)
+    messages, handler = _load_reports()
+    try:
+        with torch.no_grad():
+            mlm = transformers.BertForMaskedLM.from_pretrained(mlm_dir).eval()
+            torch.testing.assert_close(
+                mlm(input_ids=ids, attention_mask=mask, token_type_ids=types).logits[keep],
+                ours(ids, attention_mask=mask, token_type_ids=types).prediction_logits[keep],
+                atol=1e-5, rtol=1e-5)
+            transformers.pipeline("fill-mask", model=mlm_dir)("w1 [MASK] w3")
+            enc = transformers.AutoModel.from_pretrained(enc_dir).eval()
+            assert type(enc).__name__ == "BertModel"
+            torch.testing.assert_close(
+                enc(input_ids=ids, attention_mask=mask, token_type_ids=types).pooler_output,
+                ours.bert(ids, mask, types).pooled_output, atol=1e-5, rtol=1e-5)
+        assert not [m for m in messages if "UNEXPECTED" in m or "MISSING" in m], messages
+        transformers.BertForMaskedLM.from_pretrained(full)  # the default: documented
+        assert [m for m in messages if "UNEXPECTED" in m]
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert json.load(open(os.path.join(mlm_dir, "config.json")))["architectures"] == \
+        ["BertForMaskedLM"]

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bert_pretrain import checkpoint as ckpt
+from bert_pretrain import checkpoint_manager as cm
 from train_support import REPO, write_prepared
 
 MAX_STEPS, EVERY, EVAL_EVERY = 96, 2, 5
@@ -74,7 +74,7 @@ def _logged_steps(run_dir):
 def _saving(run_dir, since):
     """A checkpoint write of this launch is under way (a `.tmp-step-*` left by an earlier
     kill does not count: the trainer removes those at start-up)."""
-    root = ckpt.checkpoints_root(str(run_dir))
+    root = cm.checkpoints_root(str(run_dir))
     try:
         return any(n.startswith(".tmp-step-") and os.stat(os.path.join(root, n)).st_ctime >= since
                    for n in os.listdir(root))
@@ -135,6 +135,14 @@ def _wait_and_kill(proc, run_dir, rng, start_step, since, out, step_s):
     return "training step" if phase in ("startup", "checkpoint-write") else phase
 
 
+def _comparable(run_dir):
+    """metrics.jsonl by (kind, step) without the timing fields (the last record of a step wins:
+    an evaluation logged again after a resume)."""
+    return {("eval" if "eval_mlm_loss" in r else "train", r["step"]):
+            {k: v for k, v in r.items() if k not in ("tokens_per_s", "elapsed_s")}
+            for r in _records(run_dir)}
+
+
 def _damage(path, how):
     file = os.path.join(path, "model.safetensors" if how == "truncate" else "optimizer.pt")
     if how == "truncate":
@@ -162,18 +170,18 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
     launches = fresh = 0
     damage_plan = [(n_faults // 3, "truncate"), ((2 * n_faults) // 3, "bitflip")]
     while True:
-        expected = ckpt.latest_checkpoint(str(run_dir))  # newest intact one (resume=auto)
-        newest = ckpt.latest_checkpoint(str(run_dir), verify=False)
+        expected = cm.latest_checkpoint(str(run_dir))  # newest intact one (resume=auto)
+        newest = cm.latest_checkpoint(str(run_dir), verify=False)
         assert expected == newest or newest in damaged, \
             f"a kill left a damaged checkpoint {newest}"
         how = None
         if damage_plan and sum(kinds.values()) >= damage_plan[0][0] and expected == newest \
-                and len(ckpt.list_checkpoints(str(run_dir))) >= 2:
+                and len(cm.list_checkpoints(str(run_dir))) >= 2:
             # damage the newest checkpoint: the restart must fall back to the one before it
             how = damage_plan.pop(0)[1]
             _damage(expected, how)
             damaged.append(expected)
-            expected = ckpt.latest_checkpoint(str(run_dir))
+            expected = cm.latest_checkpoint(str(run_dir))
         launches += 1
         since = time.time() - 0.01
         proc, out, err = _start(tmp_path, run_dir, f"run{launches}",
@@ -195,16 +203,16 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
             break
         kinds[kind] = kinds.get(kind, 0) + 1
         logged = _logged_steps(run_dir)
-        kept = _step_of(ckpt.latest_checkpoint(str(run_dir)))
+        kept = _step_of(cm.latest_checkpoint(str(run_dir)))
         lost.append(max(max(logged, default=0) - kept, 0))
         # only the steps after the last checkpoint (and, while a checkpoint we damaged is
         # still there, the steps after the one before it)
-        bound = 2 * EVERY if ckpt.latest_checkpoint(str(run_dir), verify=False) in damaged \
+        bound = 2 * EVERY if cm.latest_checkpoint(str(run_dir), verify=False) in damaged \
             else EVERY
         assert lost[-1] <= bound, (logged[-3:], kept)
 
-    final = os.path.join(ckpt.checkpoints_root(str(run_dir)), f"step-{MAX_STEPS:08d}")
-    ref = os.path.join(ckpt.checkpoints_root(str(reference_dir)), f"step-{MAX_STEPS:08d}")
+    final = os.path.join(cm.checkpoints_root(str(run_dir)), f"step-{MAX_STEPS:08d}")
+    ref = os.path.join(cm.checkpoints_root(str(reference_dir)), f"step-{MAX_STEPS:08d}")
     a, b = load_file(os.path.join(final, "model.safetensors")), \
         load_file(os.path.join(ref, "model.safetensors"))
     assert a.keys() == b.keys()
@@ -212,6 +220,10 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
     assert not different, f"final weights differ from the uninterrupted run: {different[:5]}"
     steps = [r["step"] for r in map(json.loads, open(run_dir / "metrics.jsonl")) if "loss" in r]
     assert steps == list(range(1, MAX_STEPS + 1))  # every step logged once, none missing
+    # ... with what the uninterrupted run logged (timing aside): the logging window's sums
+    # travel in the checkpoints, so no record averages only the steps since a resume
+    logged, expected_log = _comparable(run_dir), _comparable(reference_dir)
+    assert logged == expected_log, [s for s in expected_log if logged.get(s) != expected_log[s]]
     assert tracebacks == 0
     faults = sum(kinds.values())
     assert faults >= n_faults, f"the run reached step {MAX_STEPS} after {faults} of {n_faults} " \
@@ -232,7 +244,7 @@ def test_explicit_resume_of_a_damaged_checkpoint_is_one_line(tmp_path):
     proc, _, err = _start(tmp_path, run_dir, "first", "trainer.max_steps=2",
                           "trainer.warmup_steps=0")
     assert proc.wait(timeout=300) == 0, err.read_text()[-2000:]
-    path = ckpt.latest_checkpoint(str(run_dir))
+    path = cm.latest_checkpoint(str(run_dir))
     _damage(path, "bitflip")
     proc, out, err = _start(tmp_path, run_dir, "again", "trainer.max_steps=4",
                             "trainer.warmup_steps=0", f"resume={path}")

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from bert_pretrain import checkpoint as ckpt
+from bert_pretrain import checkpoint_manager as cm
 from bert_pretrain.export import export
 from bert_pretrain.model_loading import load_model
 from bert_pretrain.predict import IS_NEXT, Predictor, main
@@ -39,7 +39,7 @@ def test_fill_mask_reports_the_models_probabilities(run, capsys):
     ids = torch.tensor([[2, 6, 4, 8, 4, 3]])
     with torch.no_grad():
         probs = model(ids).prediction_logits[0].softmax(-1)
-    vocab = open(os.path.join(ckpt.latest_checkpoint(run), "tokenizer", "vocab.txt")).read() \
+    vocab = open(os.path.join(cm.latest_checkpoint(run), "tokenizer", "vocab.txt")).read() \
         .split("\n")
     for m in result["masks"]:
         expected = probs[m["position"]].topk(3)

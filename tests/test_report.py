@@ -72,7 +72,8 @@ def test_report_of_one_run(runs):
     assert rows["peak learning rate"] == ["0.001"]
     from bert_pretrain.model import BertConfig, BertForPreTraining
     from bert_pretrain import checkpoint as ckpt
-    latest = ckpt.latest_checkpoint(run)
+    from bert_pretrain import checkpoint_manager as cm
+    latest = cm.latest_checkpoint(run)
     config = ckpt.read_train_state(latest)["model_config"]
     n = sum(p.numel() for p in BertForPreTraining(BertConfig.from_dict(config)).parameters())
     assert count_parameters(latest) == n and rows["parameters"] == [f"{n:,}"]

@@ -76,7 +76,8 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path, prepared):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out
     assert "stop requested" in out
-    ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    ckpts = sorted(n for n in os.listdir(os.path.join(run, "checkpoints"))
+                   if n.startswith("step-"))
     assert len(ckpts) == 1, ckpts
     k = int(ckpts[0].split("-")[1])
     assert 5 <= k < 100000

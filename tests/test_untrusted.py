@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bert_pretrain import checkpoint as ckpt
+from bert_pretrain import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError, DataError
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from test_checkpoint import SMALL, _save
@@ -135,7 +136,7 @@ def test_bert_train_refuses_a_planted_pickle_on_resume(tmp_path):
               "trainer.checkpoint_every=3", "hydra.run.dir=" + str(tmp_path / "hydra")]
     first = run_bert_train(common, cwd=str(tmp_path))
     assert first.returncode == 0, first.stderr[-2000:]
-    path = ckpt.latest_checkpoint(str(run_dir))
+    path = cm.latest_checkpoint(str(run_dir))
     marker = tmp_path / "pwned"
     torch.save({"state": {}, "param_groups": [Payload(marker)]}, os.path.join(path, "optimizer.pt"))
     resign(path)

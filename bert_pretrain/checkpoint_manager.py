@@ -1,0 +1,335 @@
+"""The checkpoint policy of a run, in one place: which checkpoint the run continues from, what a
+resume from an older checkpoint does to the newer ones, which checkpoints are kept.
+
+A run's checkpoints are `<run_dir>/checkpoints/step-XXXXXXXX/` (checkpoint.py writes and reads
+one).  The run's *line* is the chain of checkpoints its current history went through, oldest
+first; `checkpoints/latest.json` records it, written atomically at every save:
+
+    {"format": 1, "line": [{"name": "step-00000004", "state_sha256": "..."}, ...]}
+
+"Newest" means the end of the line, not the highest step number: after a resume from step 4 of a
+run that had reached step 12, the line is 4 -> 8 -> 9, and step 9 is newest.  Each checkpoint also
+records its `parent` (the previous checkpoint of its line), so a save interrupted before the
+pointer was rewritten is still found (a child of the line's end), and a run without a pointer
+(older bert-train, a lost or damaged pointer) falls back to the highest valid step.
+
+- resume=auto continues from the newest checkpoint of the line that verifies; damaged ones are
+  skipped with a warning naming each.
+- Any resume from a checkpoint that is not the newest (an explicit older one, or the fallback past
+  a damaged one) starts a branch: the checkpoints newer than it are moved to
+  `checkpoints/abandoned-<UTC time>/` with a copy of metrics.jsonl, never deleted, and one
+  warning line says which and where.  A resume from another run's checkpoint branches into this
+  run directory the same way.
+- Retention keeps the `keep_last_k` newest checkpoints of the line that verify, and never the one
+  just written; checkpoints outside the line are never deleted.
+- Leftovers of interrupted saves are repaired before anything is searched: a `step-N.old` whose
+  `step-N` is missing (killed between the two renames of a re-save) is put back.
+
+Every process calls `save`; only the main process (rank 0) moves, deletes or writes the pointer.
+"""
+
+import os
+import shutil
+import sys
+import time
+from typing import Callable, Optional
+
+from . import checkpoint as ckpt
+from .errors import CheckpointError, ConfigError
+
+POINTER = "latest.json"
+ABANDONED_PREFIX = "abandoned-"
+POINTER_FORMAT = 1
+
+
+def checkpoints_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def list_checkpoints(run_dir: str) -> list:
+    """Complete-looking checkpoints directly in the run's checkpoints/ (not yet verified), by
+    step, as (step, path)."""
+    root = checkpoints_root(run_dir)
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        step = ckpt.step_of(name) if ckpt.STEP_DIR.match(name) else None
+        path = os.path.join(root, name)
+        if step is not None and os.path.isfile(os.path.join(path, ckpt.STATE_JSON)):
+            found.append((step, path))
+    return sorted(found)
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """Warnings from code every rank runs: print once, from the main process (RANK is set by
+    torchrun / accelerate launch)."""
+    if os.environ.get("RANK", "0") == "0" and message not in _warned:
+        _warned.add(message)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str, keep_last_k: int = 0, rank: int = 0,
+                 barrier: Callable[[], None] = lambda: None,
+                 warn: Optional[Callable[[str], None]] = None):
+        self.run_dir, self.root = run_dir, checkpoints_root(run_dir)
+        self.keep_last_k, self.rank, self.barrier = keep_last_k, rank, barrier
+        self.warn = warn or _warn_once
+        """Called with each warning (one line, without a program prefix)."""
+        self.line: list = []          # names in checkpoints/, oldest first
+        self.parent: Optional[str] = None  # what the next save continues
+        self.damaged: set = set()     # names found damaged by `latest`
+        self._begun = False
+
+    # ------------------------------------------------------------------ reading
+    def _path(self, name: str) -> str:
+        """The directory of checkpoint `name`; a `step-N.old` left by a killed re-save stands in
+        for a missing `step-N` (read-only callers do not repair)."""
+        path = os.path.join(self.root, name)
+        if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+            return path + ".old"
+        return path
+
+    def _exists(self, name: str) -> bool:
+        return os.path.isfile(os.path.join(self._path(name), ckpt.STATE_JSON))
+
+    def _names(self) -> list:
+        """Every complete-looking checkpoint name in checkpoints/, by step."""
+        names = {os.path.basename(p) for _, p in list_checkpoints(self.run_dir)}
+        if os.path.isdir(self.root):
+            names |= {n[:-4] for n in os.listdir(self.root)
+                      if n.endswith(".old") and ckpt.STEP_DIR.match(n[:-4])}
+        return sorted((n for n in names if self._exists(n)), key=ckpt.step_of)
+
+    def _read_pointer(self) -> Optional[list]:
+        """The recorded line (entries, oldest first), or None when there is no usable pointer."""
+        file = os.path.join(self.root, POINTER)
+        if not os.path.lexists(file):
+            return None
+        try:
+            if not os.path.isfile(file) or os.path.islink(file) or \
+                    os.path.getsize(file) > ckpt.MAX_STATE_BYTES:
+                raise ValueError("not a regular file of a sensible size")
+            import json
+
+            with open(file, encoding="utf-8") as f:
+                content = json.load(f)
+            line = content["line"]
+            if content.get("format") != POINTER_FORMAT or not isinstance(line, list) or not all(
+                    isinstance(e, dict) and isinstance(e.get("name"), str) and
+                    ckpt.STEP_DIR.match(e["name"]) for e in line):
+                raise ValueError("unexpected content")
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            self.warn(f"{file} is unreadable ({str(exc).splitlines()[0]}); "
+                      f"finding the newest checkpoint by step number instead")
+            return None
+        return line
+
+    def _parent_of(self, name: str) -> Optional[str]:
+        try:
+            return ckpt.read_train_state(self._path(name), verify=False).get("parent")
+        except CheckpointError:
+            return None
+
+    def current_line(self) -> list:
+        """The line's names, oldest first: the pointer's (those still present), extended by
+        checkpoints whose parent is its end (a save that was killed before the pointer was
+        rewritten); without a pointer, every checkpoint by step."""
+        entries = self._read_pointer()
+        if entries is None:
+            return self._names()
+        line = [e["name"] for e in entries if self._exists(e["name"])]
+        present = self._names()
+        while line:
+            children = [n for n in present if n not in line and self._parent_of(n) == line[-1]]
+            if not children:
+                break
+            line.append(max(children, key=ckpt.step_of))
+        return line
+
+    def latest(self, verify: bool = True) -> Optional[str]:
+        """The newest checkpoint of the run's line whose files verify (damaged ones are skipped,
+        each named in a warning); verify=False: the line's end as it stands.
+
+        None when the run has no checkpoint; CheckpointError when it has some and all are damaged
+        (starting over would silently discard the run)."""
+        line = self.current_line()
+        if not verify:
+            return self._path(line[-1]) if line else None
+        for name in reversed(line):
+            path = self._path(name)
+            try:
+                ckpt.verify_checkpoint(path)
+                return path
+            except CheckpointError as exc:
+                self.damaged.add(name)
+                self.warn(f"skipping damaged checkpoint {path}: {exc}; "
+                          f"falling back to an earlier one")
+        if line:
+            raise CheckpointError(
+                f"all {len(line)} checkpoint(s) in {self.root} are damaged (see the warnings "
+                f"above); restore them from a copy, or move them away to start over")
+        return None
+
+    # ------------------------------------------------------------------ resuming
+    def repair(self) -> None:
+        """Main process, before any search: remove leftovers of interrupted saves and deletions
+        (never valid checkpoints); put back a `step-N.old` whose `step-N` is missing (the only
+        copy of that checkpoint)."""
+        if not os.path.isdir(self.root):
+            return
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if name.endswith(".old") and ckpt.STEP_DIR.match(name[:-4]) and \
+                    not os.path.exists(path[:-4]):
+                os.rename(path, path[:-4])
+            elif name.startswith((".tmp-step-", ".del-step-")) or name.endswith(".old") or \
+                    name.startswith(POINTER + ".tmp-"):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.remove(path)
+
+    def find(self, resume: str) -> Optional[str]:
+        """The checkpoint to resume from (resume = never | auto | a checkpoint path), verified,
+        or None for a fresh run."""
+        if resume == "never":
+            if self._names():
+                raise ConfigError(
+                    f"{self.run_dir} already has checkpoints; continue it with resume=auto, or "
+                    f"choose another run_dir (or name=...) for a fresh run")
+            return None
+        if resume == "auto":
+            return self.latest()
+        if not os.path.isdir(resume):
+            raise CheckpointError(f"resume={resume}: no such checkpoint directory; use "
+                                  f"resume=auto or a <run_dir>/checkpoints/step-XXXXXXXX path")
+        ckpt.verify_checkpoint(resume)
+        return resume
+
+    def _inside(self, path: str) -> Optional[str]:
+        """The name of `path` when it is a checkpoint directly in this run's checkpoints/."""
+        if os.path.realpath(os.path.dirname(os.path.normpath(path))) != \
+                os.path.realpath(self.root):
+            return None
+        name = os.path.basename(os.path.normpath(path))
+        return name if ckpt.STEP_DIR.match(name) else None
+
+    def begin(self, source: Optional[str]) -> list:
+        """Main process: make the line the one that leads to `source` (the resumed checkpoint,
+        or None for a fresh run). Checkpoints newer than `source` that are not on it are moved
+        aside (a branch). Returns the names moved."""
+        name = self._inside(source) if source else None
+        before = self.current_line()
+        self._begun = True
+        if name is not None:
+            self.line = before[:before.index(name) + 1] if name in before else [name]
+            self.parent = name
+        else:
+            self.line, self.parent = [], (os.path.abspath(source) if source else None)
+        since = -1 if source is None else ckpt.read_train_state(source, verify=False)["step"]
+        newer = [n for n in self._names() if n not in self.line and ckpt.step_of(n) > since]
+        if newer:
+            self._move_aside(newer, source)
+        if source is not None or newer or os.path.lexists(os.path.join(self.root, POINTER)):
+            self._write_pointer()
+        return newer
+
+    def _move_aside(self, names: list, source: Optional[str]) -> None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        target = os.path.join(self.root, ABANDONED_PREFIX + stamp)
+        n = 1
+        while os.path.exists(target):
+            n += 1
+            target = os.path.join(self.root, f"{ABANDONED_PREFIX}{stamp}-{n}")
+        os.makedirs(target)
+        for name in names:
+            os.rename(self._path(name), os.path.join(target, name))
+        metrics = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.isfile(metrics):  # the abandoned line's log, before it is cut back
+            shutil.copyfile(metrics, os.path.join(target, "metrics.jsonl"))
+        ckpt._fsync_path(self.root)
+        listed = ", ".join(f"{n} (damaged)" if n in self.damaged else n for n in names)
+        self.warn(f"resuming from {source} starts a new line: the newer "
+                  f"checkpoint(s) {listed} were moved to {target} (not deleted; metrics.jsonl "
+                  f"copied there); move them back to continue that line instead")
+
+    def _write_pointer(self) -> None:
+        entries = []
+        for name in self.line:
+            try:
+                sha = ckpt.read_train_state(self._path(name), verify=False).get("state_sha256")
+            except CheckpointError:
+                sha = None
+            entries.append({"name": name, "state_sha256": sha})
+        os.makedirs(self.root, exist_ok=True)
+        ckpt.write_json_atomic(os.path.join(self.root, POINTER),
+                               {"format": POINTER_FORMAT, "line": entries})
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, **payload) -> str:
+        """Write checkpoint `step` continuing the line (every process calls this), record it as
+        the newest, then apply retention. Returns its path."""
+        if self.rank == 0 and not self._begun:  # no begin(): continue the line as it stands
+            self.line, self._begun = self.current_line(), True
+            self.parent = self.line[-1] if self.line else None
+        train_state = {**payload.pop("train_state"), "parent": self.parent}
+        try:
+            path = ckpt.write_checkpoint(self.root, step, train_state=train_state,
+                                         rank=self.rank, barrier=self.barrier, **payload)
+        except CheckpointError as exc:
+            kept = (f"the previous checkpoint {self._path(self.line[-1])} is intact"
+                    if self.line else "no earlier checkpoint exists")
+            raise CheckpointError(f"{exc}; {kept}; free disk space and rerun with "
+                                  f"resume=auto") from None
+        name = ckpt.step_dir_name(step)
+        if self.rank == 0:
+            self.line = [n for n in self.line if n != name] + [name]
+            doomed = self._retention(name)
+            self.line = [n for n in self.line if n not in doomed]
+            self._write_pointer()
+            for old in doomed:
+                _remove(self._path(old))
+        self.parent = name
+        self.barrier()
+        return path
+
+    def _retention(self, newest: str) -> list:
+        """Names of the line to delete: all but the keep_last_k newest that verify (the one just
+        written counts as one and is never deleted)."""
+        if self.keep_last_k <= 0:
+            return []
+        kept, doomed = 0, []
+        for name in reversed(self.line):
+            if kept >= self.keep_last_k:
+                doomed.append(name)
+            elif name == newest:
+                kept += 1
+            else:
+                try:
+                    ckpt.verify_checkpoint(self._path(name))  # cached for those this run wrote
+                    kept += 1
+                except CheckpointError:
+                    pass  # not counted: a damaged one never takes a valid one's place
+        return doomed
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint so that a crash midway never leaves a half-deleted `step-*` that
+    still looks complete: rename it out of the checkpoint namespace first."""
+    doomed = os.path.join(os.path.dirname(path), ".del-" + os.path.basename(path))
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: str, verify: bool = True,
+                      warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """The newest checkpoint of a run's line that verifies (read-only; see CheckpointManager)."""
+    return CheckpointManager(run_dir, warn=warn).latest(verify=verify)

@@ -1,0 +1,133 @@
+"""`conf/train/trainer/`: the trainer's settings (how long, in what batches, at what precision,
+when to log, evaluate and save), validated where they are defined."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
+
+
+@dataclass
+class TrainerConfig:
+    """`conf/train/trainer/`: how long and in what batches to train, when to evaluate, save."""
+
+    max_steps: int = 1000
+    """Optimizer steps (an upper bound in budget mode)."""
+    warmup_steps: Optional[int] = None
+    """Linear warmup length in optimizer steps; null = warmup_ratio x max_steps."""
+    warmup_ratio: float = 0.1
+    """Warmup as a fraction of max_steps, when warmup_steps is null (as transformers/RoBERTa),
+    so a run of any length works with the defaults."""
+    budget_hours: Optional[float] = None
+    """Wall-clock budget: the lr schedule follows elapsed/budget and training stops when it is
+    spent (evaluation and checkpoint time excluded). null = step mode."""
+    global_batch_size: int = 32
+    """Samples per optimizer step over all processes."""
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward on one process; null = global / world (no accumulation).
+    Accumulation steps = global / (world x micro). Changes speed and memory, not results."""
+    mixed_precision: str = "auto"
+    """auto: bf16 autocast where the hardware has bf16 matrix units (AMX-BF16 / AVX512-BF16 CPUs,
+    bf16-capable GPUs), fp32 elsewhere; no (fp32), bf16, or fp16 (with dynamic loss scaling:
+    steps with inf/nan gradients are skipped). Weights and optimizer state stay fp32."""
+    max_grad_norm: Optional[float] = 1.0
+    """Clip the global gradient norm to this; null = no clipping."""
+    nsp_loss_weight: float = 1.0
+    """The step's gradient is that of mlm_loss + nsp_loss_weight x nsp_loss (BERT: 1). The
+    logged `loss` stays mlm_loss + nsp_loss, so runs with different weights compare."""
+    attention_locality: float = 0.0
+    """A training-time start for attention (0 = off: BERT all along). Head h of every layer
+    adds -attention_locality * 2^-h * |i - j| to its scores (ALiBi's form; not for the [CLS]
+    query, which reads the whole input for NSP; only the first
+    attention_locality_heads share of the heads), at full strength until attention_locality_hold
+    of training, fading linearly to nothing at attention_locality_end; after it the model is a
+    plain BERT, and evaluations always score it without the bias (what an export computes).
+    From scratch, a BERT predicts only frequent tokens until some head attends to the
+    neighbours of a masked token, which takes thousands of steps; this start skips that wait
+    (README, "Learning check"). Training progress counts steps, or time with budget_hours."""
+    attention_locality_hold: float = 0.2
+    attention_locality_end: float = 0.45
+    attention_locality_heads: float = 1.0
+    """Share of each layer's heads (the first ones) that get the bias; the others stay free."""
+    log_every: int = 10
+    eval_every: int = 0
+    """Evaluate on the held-out split every N steps (0 = only at the end)."""
+    eval_max_samples: Optional[int] = None
+    """Evaluate on at most this many held-out instances (null = all)."""
+    eval_batch_size: Optional[int] = None
+    """null = micro_batch_size."""
+    checkpoint_every: int = 1000
+    keep_last_k: int = 3
+    max_nonfinite_steps: int = 10
+    """Stop after this many consecutive non-finite steps (loss or gradient norm; each skipped)."""
+    init_from: Optional[str] = None
+    """A checkpoint directory to take the weights from (phase 2): fresh optimizer, schedule
+    and data position."""
+    progress_bar: bool = True
+    report: bool = True
+    """At the end, write <run_dir>/report/ (report.md and curves, as bert-report draws them)."""
+    cpu: bool = False
+    """Train on CPU even when a GPU is present."""
+    cpu_keep_freed_memory: bool = True
+    """CPU, glibc: keep freed memory in the process so big per-step tensors reuse warm pages
+    instead of page-faulting fresh ones (cpu_runtime.py; ~25% off a bf16 BERT-base step).
+    Speed only; resident memory stays at its peak."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "global_batch_size", "log_every", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "keep_last_k", "max_nonfinite_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"trainer.{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise ValueError(f"trainer.warmup_steps must be >= 0 or null, got {self.warmup_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError("trainer.micro_batch_size must be >= 1 or null")
+        if self.budget_hours is not None and self.budget_hours <= 0:
+            raise ValueError("trainer.budget_hours must be > 0 or null")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"trainer.mixed_precision must be one of "
+                             f"{', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError("trainer.max_grad_norm must be > 0 or null")
+        if not self.nsp_loss_weight >= 0:
+            raise ValueError(f"trainer.nsp_loss_weight must be >= 0, got {self.nsp_loss_weight}")
+        if not self.attention_locality >= 0:
+            raise ValueError(f"trainer.attention_locality must be >= 0 (0 = off), got "
+                             f"{self.attention_locality}")
+        if not 0.0 <= self.attention_locality_hold <= self.attention_locality_end <= 1.0:
+            raise ValueError(f"trainer.attention_locality_hold ({self.attention_locality_hold}) "
+                             f"and attention_locality_end ({self.attention_locality_end}) must "
+                             f"satisfy 0 <= hold <= end <= 1 (shares of training)")
+        if not 0.0 < self.attention_locality_heads <= 1.0:
+            raise ValueError(f"trainer.attention_locality_heads must be in (0, 1], got "
+                             f"{self.attention_locality_heads}")
+        if self.budget_hours is not None and self.warmup_steps is None and self.warmup_ratio:
+            raise ValueError("trainer.budget_hours measures the run in time, so there is no step "
+                             "count to take trainer.warmup_ratio of; set trainer.warmup_steps")
+        if self.warmup >= self.max_steps and self.budget_hours is None:
+            raise ValueError(f"trainer.warmup_steps ({self.warmup}) must be below "
+                             f"trainer.max_steps ({self.max_steps})")
+
+    def locality_strength(self, step: int, elapsed: float) -> float:
+        """The share of attention_locality in force at this point of training (1 -> 0)."""
+        if not self.attention_locality:
+            return 0.0
+        progress = (elapsed / (self.budget_hours * 3600) if self.budget_hours is not None
+                    else step / self.max_steps)
+        if progress < self.attention_locality_hold:
+            return 1.0
+        span = self.attention_locality_end - self.attention_locality_hold
+        return 0.0 if span <= 0 else max(0.0, 1.0 - (progress - self.attention_locality_hold)
+                                         / span)
+
+    @property
+    def warmup(self) -> int:
+        """Warmup in steps: warmup_steps if set, else warmup_ratio of max_steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return 0 if self.budget_hours is not None else int(round(self.warmup_ratio *
+                                                                 self.max_steps))
