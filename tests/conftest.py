@@ -6,7 +6,20 @@ import random
 
 import pytest
 
+import time_limits
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Each test's pytest-timeout budget, for time_limits.hang_limit(); returns None so that
+    pytest-timeout still sets its own timer."""
+    time_limits.start_budget(settings.timeout)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    time_limits.start_budget(None)  # the next test may have no timeout at all
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from train_support import REPO
+from time_limits import hang_limit
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_GROUPS = {"data", "experiment", "hparams_search", "impl", "logger", "model", "optim",
@@ -22,7 +23,7 @@ PREP_GROUPS = {"corpus"}
 def groups_in_help(command):
     env = dict(os.environ, PYTHONPATH=REPO)
     r = subprocess.run([os.path.join(BIN, command), "--help"], capture_output=True, text=True,
-                       cwd=REPO, env=env, timeout=300)
+                       cwd=REPO, env=env, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     block = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     return r.stdout, {m.group(1) for m in re.finditer(r"^(\w+): ", block, re.M)}

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from time_limits import hang_limit
 
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
 
@@ -12,7 +13,7 @@ BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
 def test_demo_command_with_defaults(tmp_path):
     out = tmp_path / "prepared" / "builtin128"
     p = subprocess.run([BERT_PREP, "corpus=builtin", f"output_dir={out}"], capture_output=True,
-                       text=True, timeout=300, cwd=tmp_path)
+                       text=True, timeout=hang_limit(), cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
     m = json.loads((out / "manifest.json").read_text())
     assert m["complete"] and m["format_version"] == 1

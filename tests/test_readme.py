@@ -37,6 +37,7 @@ import sys
 import pytest
 
 from train_support import REPO
+from time_limits import hang_limit
 
 README = os.path.join(REPO, "README.md")
 BIN = os.path.dirname(sys.executable)
@@ -146,7 +147,7 @@ def environment():
 
 def run_shell(script, cwd):
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=environment(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=hang_limit())
 
 
 BLOCKS = readme_blocks()

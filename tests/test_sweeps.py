@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bert_pretrain import sweep_summary as ss
+from time_limits import hang_limit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -152,7 +153,7 @@ def test_summary_bad_input_one_line_errors(tmp_path: Path, grid_sweep: Path, cap
 def test_summary_command_line(grid_sweep: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "bert_pretrain.sweep_summary", str(grid_sweep),
                         "--metric", "eval_mlm_accuracy"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=hang_limit())
     assert r.returncode == 0, r.stderr
     assert "ranked by eval_mlm_accuracy (max)" in r.stdout
     assert (grid_sweep / "summary.csv").is_file() and (grid_sweep / "summary.png").is_file()
@@ -200,7 +201,7 @@ def run_toy(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Pa
     (tmp_path / "conf" / "cfg.yaml").write_text(TOY_CONF)
     sweep = tmp_path / "sweep"
     r = subprocess.run([sys.executable, "app.py", "-m", f"hydra.sweep.dir={sweep}", *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=hang_limit())
     return r, sweep
 
 
@@ -276,7 +277,7 @@ def prepared(tmp_path_factory) -> str:
 def bert_train_multirun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=hang_limit(), env=env)
 
 
 def read_csv(path: Path) -> list[dict]:
