@@ -172,8 +172,8 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
 
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
-    from tqdm import tqdm
-    with tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress) as bar:
+    from bert_pretrain.progress import progress_bar
+    with progress_bar(len(tasks), desc="shards", unit="shard", enabled=progress) as bar:
         if num_proc == 1 or len(tasks) <= 1:
             _W.clear()
             _W.update(ctx)

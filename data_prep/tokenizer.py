@@ -147,11 +147,13 @@ def load_tokenizer(path: str, do_lower_case: bool = True):
 def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[str]]],
                     progress: bool):
     from tokenizers import BertWordPieceTokenizer
+
+    from bert_pretrain.progress import on_terminal
     wp = BertWordPieceTokenizer(lowercase=cfg.do_lower_case)
     wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences),
                            vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                            limit_alphabet=cfg.limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
-                           show_progress=progress)
+                           show_progress=progress and on_terminal())
     # The trainer breaks ties between equally frequent pieces in hash-map order, so the same
     # vocabulary comes out with ids in a different order from run to run (and, about one run
     # in ten, with a different last piece when a tie straddles vocab_size).  WordPiece does not

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from train_support import REPO
 from time_limits import hang_limit
+from train_support import REPO
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_GROUPS = {"data", "experiment", "hparams_search", "impl", "logger", "model", "optim",

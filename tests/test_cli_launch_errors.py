@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from train_support import REPO, write_prepared
 from time_limits import hang_limit
+from train_support import REPO, write_prepared
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
 

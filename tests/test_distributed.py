@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from train_support import write_prepared
 from time_limits import hang_limit
+from train_support import write_prepared
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = REPO / "conf" / "accelerate"

@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file
 
 from bert_pretrain import checkpoint as ckpt
-from train_support import REPO, write_prepared
 from time_limits import hang_deadline, hang_limit
+from train_support import REPO, write_prepared
 
 MAX_STEPS, EVERY, EVAL_EVERY = 96, 2, 5
 COMMON = ["experiment=smoke", f"trainer.max_steps={MAX_STEPS}", f"trainer.checkpoint_every={EVERY}",

@@ -36,8 +36,8 @@ import sys
 
 import pytest
 
-from train_support import REPO
 from time_limits import hang_limit
+from train_support import REPO
 
 README = os.path.join(REPO, "README.md")
 BIN = os.path.dirname(sys.executable)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 from bert_pretrain.redact import redact, secret_values
-from train_support import REPO, write_prepared
 from time_limits import hang_limit
+from train_support import REPO, write_prepared
 
 SECRETS = {
     "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567",  # wandb's 40-hex form

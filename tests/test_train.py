@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from bert_pretrain.errors import CheckpointError, ConfigError, DataError, TrainingError
+from time_limits import hang_limit
 from train_support import (REPO, read_metrics, run_bert_train, train_in_process,
                            write_prepared)
-from time_limits import hang_limit
 
 EVAL_KEYS = {"eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"}
 TRAIN_KEYS = {"step", "loss", "mlm_loss", "nsp_loss", "lr", "tokens_per_s"}

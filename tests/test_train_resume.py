@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from train_support import (REPO, read_metrics, train_in_process, write_prepared)
 from time_limits import hang_deadline, hang_limit
+from train_support import (REPO, read_metrics, train_in_process, write_prepared)
 
 
 @pytest.fixture(scope="module")

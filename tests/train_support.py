@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from time_limits import hang_limit
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
