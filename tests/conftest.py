@@ -125,3 +125,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def drawn_figures(monkeypatch):
+    """The matplotlib figures bert_pretrain.plotting saves during the test, drawn and kept open
+    for the test to read (titles, legends, ticks, texts), as well as written as PNGs."""
+    from bert_pretrain import plotting
+
+    figures = []
+    real = plotting.save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figures.append(fig)
+        return real(fig, path)
+    monkeypatch.setattr(plotting, "save", keep)
+    return figures

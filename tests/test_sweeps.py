@@ -113,22 +113,8 @@ def test_summary_plot_is_a_png_with_one_panel_per_swept_param(grid_sweep: Path) 
     assert w > 1.8 * h  # two panels side by side
 
 
-def drawn(monkeypatch) -> list:
-    """The figures plotting.save is given (kept open to look at) instead of only their PNGs."""
-    from bert_pretrain import plotting
-
-    figures = []
-    real = plotting.save
-
-    def keep(fig, path):
-        figures.append(fig)
-        fig.canvas.draw()
-        return real(fig, path)
-    monkeypatch.setattr(plotting, "save", keep)
-    return figures
-
-
-def test_summary_of_a_sweep_where_every_trial_failed_says_so(tmp_path: Path, monkeypatch) -> None:
+def test_summary_of_a_sweep_where_every_trial_failed_says_so(tmp_path: Path,
+                                                             drawn_figures) -> None:
     """No trial has the metric: the table's head says why, the picture says so (with the first
     errors) instead of drawing empty axes."""
     sweep = tmp_path / "sweep"
@@ -136,7 +122,7 @@ def test_summary_of_a_sweep_where_every_trial_failed_says_so(tmp_path: Path, mon
         make_member(sweep, str(num), [f"trainer.warmup_steps={50 * (num + 1)}"], None,
                     {"job_num": num, "status": "failed", "error": "ConfigError: trainer."
                      f"warmup_steps ({50 * (num + 1)}) must be below trainer.max_steps (40)"})
-    figures = drawn(monkeypatch)
+    figures = drawn_figures
     s = ss.summarize(sweep, out=None)
     assert s.table.splitlines()[1] == "no trial has eval_mlm_loss: all 3 failed (errors below " \
                                       "the table)"
@@ -150,7 +136,8 @@ def test_summary_of_a_sweep_where_every_trial_failed_says_so(tmp_path: Path, mon
         "no trial has x: 1 failed, 1 running"
 
 
-def test_summary_integer_hyperparameters_get_integer_ticks(tmp_path: Path, monkeypatch) -> None:
+def test_summary_integer_hyperparameters_get_integer_ticks(tmp_path: Path,
+                                                           drawn_figures) -> None:
     """Warmup steps, layer counts and job numbers are integers: no 1.2, 1.4 ... ticks."""
     sweep = tmp_path / "sweep"
     for num, (layers, lr) in enumerate([(1, "1e-4"), (2, "3e-4"), (3, "1e-3")]):
@@ -160,7 +147,7 @@ def test_summary_integer_hyperparameters_get_integer_ticks(tmp_path: Path, monke
                 {"job_num": 0, "status": "completed"})
     make_member(tmp_path / "one", "1", ["optim.lr=1e-4"], train_log(4.0),
                 {"job_num": 1, "status": "completed"})
-    figures = drawn(monkeypatch)
+    figures = drawn_figures
     ss.summarize(sweep, out=None)
     ss.summarize(tmp_path / "one", out=None)  # nothing swept: against the job number
     layers_ax, lr_ax, job_ax = figures[0].axes + figures[1].axes
