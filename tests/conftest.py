@@ -22,6 +22,26 @@ def pytest_runtest_logfinish(nodeid, location):
     time_limits.start_budget(None)  # the next test may have no timeout at all
 
 
+# Slow tests train for minutes (24 kill-and-resume cycles, the README's first hour): their
+# hang budget is this many times pyproject's per-test `timeout`.
+SLOW_BUDGET_FACTOR = 4
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests get SLOW_BUDGET_FACTOR x the configured per-test timeout, unless the user
+    chose one (--timeout, PYTEST_TIMEOUT) or the test names its own."""
+    try:
+        base = float(config.getini("timeout") or 0)  # ValueError without pytest-timeout
+    except ValueError:
+        return
+    if not base or config.getoption("timeout", None) is not None or \
+            os.environ.get("PYTEST_TIMEOUT"):
+        return
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_BUDGET_FACTOR * base))
+
+
 @pytest.fixture(scope="session")
 def prep_compose():
     """prep_compose(*overrides) -> a validated PrepConfig composed from conf/prep/prep.yaml."""

@@ -2,6 +2,7 @@
 test waits a fixed number of seconds that a slow or busy machine trips (issue 24)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import time
@@ -13,14 +14,50 @@ import time_limits
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
+needs_pytest_timeout = pytest.mark.skipif(importlib.util.find_spec("pytest_timeout") is None,
+                                          reason="pytest-timeout is not installed")
+
+
+@needs_pytest_timeout
 @pytest.mark.timeout(200)
 def test_a_subprocess_gets_the_rest_of_the_tests_budget():
-    pytest.importorskip("pytest_timeout")
     left = time_limits.hang_limit()
     assert left is not None and 200 - time_limits.MARGIN_S - 5 < left <= 200 - time_limits.MARGIN_S
     time.sleep(0.2)
     assert time_limits.hang_limit() < left  # it counts down
     assert time_limits.hang_deadline() == pytest.approx(time.monotonic() + left - 0.2, abs=1.0)
+
+
+@needs_pytest_timeout
+def test_slow_tests_get_a_larger_budget(request, monkeypatch):
+    """A test that trains for minutes must not hit the hang budget of a quick one on a slow
+    machine: the slow ones get SLOW_BUDGET_FACTOR x pyproject's timeout (conftest.py's hook,
+    on stand-in items), unless the user or the test chose a timeout."""
+    import conftest
+
+    class Item:
+        def __init__(self, *marks):
+            self.marks = {m.name: m for m in marks}
+
+        def get_closest_marker(self, name):
+            return self.marks.get(name)
+
+        def add_marker(self, mark):
+            self.marks[mark.name] = mark.mark
+
+    monkeypatch.delenv("PYTEST_TIMEOUT", raising=False)
+    monkeypatch.setattr(request.config.option, "timeout", None)
+    quick, slow, own = Item(), Item(pytest.mark.slow.mark), \
+        Item(pytest.mark.slow.mark, pytest.mark.timeout(5).mark)
+    conftest.pytest_collection_modifyitems(request.config, [quick, slow, own])
+    base = float(request.config.getini("timeout"))
+    assert base >= 60 and quick.get_closest_marker("timeout") is None
+    assert slow.get_closest_marker("timeout").args == (conftest.SLOW_BUDGET_FACTOR * base,)
+    assert own.get_closest_marker("timeout").args == (5,)
+    monkeypatch.setenv("PYTEST_TIMEOUT", "60")  # the user's choice wins
+    later = Item(pytest.mark.slow.mark)
+    conftest.pytest_collection_modifyitems(request.config, [later])
+    assert later.get_closest_marker("timeout") is None
 
 
 def test_without_a_budget_there_is_no_limit():
