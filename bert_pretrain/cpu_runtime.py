@@ -18,7 +18,9 @@ Three things, each measured with bench/bench_model.py (README, "Benchmarks"):
   process's resident memory stays at its peak instead of shrinking between steps.
 - bf16 matrix units.  bf16 autocast pays on CPUs with AMX-BF16 or AVX512-BF16 instructions
   (torch.mm 4-5x the fp32 rate there) and costs elsewhere; `resolve_precision("auto")` picks it
-  only where the units are.
+  only where the units are.  NO_BF16_UNITS_ENV=1 in the environment makes this process behave
+  as on a CPU without them (fp32 under auto, no bf16 row in the bench), so the path that most
+  laptops and many cloud CPUs take can be tested on a machine that has them.
 
 Nothing here imports torch at module level: `prefer_passive_omp_wait` must run before it loads.
 """
@@ -33,6 +35,8 @@ import platform
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+# Set to 1: treat this CPU as one without bf16 matrix instructions.
+NO_BF16_UNITS_ENV = "BERT_PRETRAIN_NO_BF16_UNITS"
 
 
 def prefer_passive_omp_wait() -> None:
@@ -56,7 +60,10 @@ def keep_freed_memory() -> bool:
 
 def bf16_units() -> str | None:
     """The CPU's bf16 matrix instructions as torch sees them ("AMX-BF16", "AVX512-BF16"), or
-    None when bf16 matmuls would be emulated (slower than fp32)."""
+    None when bf16 matmuls would be emulated (slower than fp32), or when NO_BF16_UNITS_ENV
+    says to behave as if they were."""
+    if os.environ.get(NO_BF16_UNITS_ENV, "") not in ("", "0"):
+        return None
     import torch
 
     cpu = getattr(torch, "cpu", None)
@@ -68,6 +75,13 @@ def bf16_units() -> str | None:
         except (AttributeError, RuntimeError):
             continue
     return None
+
+
+def no_bf16_units_reason() -> str:
+    """Why bf16_units() said None, for a log line."""
+    if os.environ.get(NO_BF16_UNITS_ENV, "") not in ("", "0"):
+        return f"{NO_BF16_UNITS_ENV} is set: treated as a CPU without bf16 matrix instructions"
+    return "this CPU has no bf16 matrix instructions (bf16 would be emulated, slower than fp32)"
 
 
 def resolve_precision(setting: str, on_cuda: bool) -> tuple[str, str]:
@@ -83,4 +97,4 @@ def resolve_precision(setting: str, on_cuda: bool) -> tuple[str, str]:
     units = bf16_units()
     if units:
         return "bf16", f"auto: this CPU has {units} matrix instructions"
-    return "no", "auto: this CPU has no bf16 matrix instructions (bf16 would be emulated)"
+    return "no", f"auto: {no_bf16_units_reason()}"

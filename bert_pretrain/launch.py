@@ -1,4 +1,4 @@
-"""`accelerate launch` with a short failure report:
+"""`bert-launch`: `accelerate launch` with its own --help and a short failure report:
 
     python -m bert_pretrain.launch --config_file conf/accelerate/cpu_2proc.yaml \\
         -m bert_pretrain.train experiment=smoke data.dir=...
@@ -54,11 +54,59 @@ def _report(exc) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
+HELP = """\
+bert-launch: run bert-train on several processes (GPUs, machines, or CPU processes).
+
+Usage: bert-launch [accelerate launch options] -m bert_pretrain.train [bert-train overrides]
+
+bert-launch is `accelerate launch` with the same options, and a short report when a process
+fails: a bert-train user error ends the launch with its one `bert-train: error:` line and exit
+status 2; a crash, a signal or running out of memory, with one line naming the failed rank
+(exit status 1 or the process's own).  Plain `accelerate launch` ends both in ~35 lines of
+torch elastic's report, with exit status 1.  What the processes print is left as it is.
+
+Ready accelerate configs are in conf/accelerate/ (see README, "Multi-GPU and multi-node
+training"):
+  cpu_2proc.yaml         2 processes on CPU (gloo), what CI runs
+  multi_gpu.yaml         1 machine, 8 GPUs (DDP, bf16)
+  multi_node.yaml        2 machines x 8 GPUs (add --machine_rank and --main_process_ip)
+
+Examples:
+  bert-launch --config_file conf/accelerate/cpu_2proc.yaml -m bert_pretrain.train \\
+      experiment=smoke data.dir=prepared/builtin128
+  bert-launch --config_file conf/accelerate/multi_gpu.yaml --num_processes 4 \\
+      -m bert_pretrain.train experiment=bert_base_phase1
+  bert-launch --config_file conf/accelerate/multi_node.yaml --machine_rank $NODE_RANK \\
+      --main_process_ip $MASTER_ADDR -m bert_pretrain.train experiment=bert_base_phase1 \\
+      resume=auto
+
+Options used most (command-line flags win over the config file):
+  --config_file FILE     an accelerate config (conf/accelerate/*.yaml)
+  --num_processes N      processes in all (GPUs over all machines)
+  --multi_gpu            several processes (also on CPU, where the trainer joins them over gloo)
+  --num_machines N, --machine_rank R, --main_process_ip IP, --main_process_port PORT
+                         a multi-machine launch: run the same command on every machine
+Every other option is accelerate launch's: `accelerate launch --help` lists them all.
+bert-train's own settings come after -m bert_pretrain.train (`bert-train --help`)."""
+
+
+def _parser():
+    """accelerate launch's parser, with bert-launch's name and help.  Its -h/--help only acts
+    before the training module: after `-m bert_pretrain.train` it is bert-train's."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    parser.prog = "bert-launch"
+    parser.usage = "bert-launch [accelerate launch options] -m bert_pretrain.train [overrides]"
+    parser.print_help = lambda file=None: print(HELP, file=file or sys.stdout)
+    return parser
+
+
 def main(argv=None) -> None:
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    args = launch_command_parser().parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.getLogger(ELASTIC_API).addFilter(_ShutdownNoise())
     try:
         launch_command(args)

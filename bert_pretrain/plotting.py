@@ -176,11 +176,24 @@ def plot_attention(maps: Any, tokens: Sequence[str], layers: Sequence[int],
 
 
 def plot_sweep(path: str, points: Sequence[tuple], metric: str, params: Sequence[str],
-               title: str) -> str:
+               title: str, empty: Optional[Sequence[str]] = None) -> str:
     """One panel per swept hyperparameter: `points` = [(overrides dict, value)], best first
     (circled). Numeric values get a numeric axis (log when they span a decade, as learning rates
-    do); anything else is categorical. `params` = ["job"] plots against the job number."""
+    do; integer ticks when every value is an integer); anything else is categorical. `params` =
+    ["job"] plots against the job number. With no points, the lines of `empty` say why."""
     plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    if not points:
+        import textwrap
+
+        fig, ax = plt.subplots(figsize=(7.0, 3.6), layout="constrained")
+        ax.axis("off")
+        lines = list(empty or ["no trial to plot"])
+        ax.text(0.5, 0.5, "\n".join(textwrap.fill(ln, 80) for ln in lines), ha="center",
+                va="center", transform=ax.transAxes, fontsize=10, color="0.25")
+        fig.suptitle(title, fontsize=10)
+        return save(fig, path)
     fig, axes = plt.subplots(1, len(params), figsize=(4.2 * len(params), 3.6),
                              layout="constrained", squeeze=False)
     for ax, param in zip(axes[0], params):
@@ -190,15 +203,16 @@ def plot_sweep(path: str, points: Sequence[tuple], metric: str, params: Sequence
             xs: list = [float(r) for r in raw]
             if spans_decades(xs):
                 ax.set_xscale("log")
+            elif all(x.is_integer() for x in xs):  # job numbers, warmup steps: no 1.5
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         except ValueError:
             categories = sorted(set(raw))
             xs = [categories.index(r) for r in raw]
             ax.set_xticks(range(len(categories)), categories, rotation=30, ha="right")
         ax.scatter(xs, ys, s=28, color="tab:blue", zorder=2)
-        if points:
-            ax.scatter(xs[:1], ys[:1], s=110, facecolors="none", edgecolors="tab:red",
-                       linewidths=1.5, zorder=3, label="best")
-            ax.legend(loc="best", fontsize=8)
+        ax.scatter(xs[:1], ys[:1], s=110, facecolors="none", edgecolors="tab:red",
+                   linewidths=1.5, zorder=3, label="best")
+        ax.legend(loc="best", fontsize=8)
         ax.set_xlabel(param)
         ax.set_ylabel(metric)
         ax.grid(True, alpha=0.3)

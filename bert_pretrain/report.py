@@ -4,8 +4,9 @@
     bert-report runs/a runs/b -o reports/ab    # several runs overlaid, one column each
 
 writes curves_steps.png and curves_tokens.png (training loss; MLM and NSP loss, training and
-held-out; held-out MLM accuracy with the most-frequent-token baseline; held-out NSP accuracy with
-chance; learning rate; tokens/s -- against optimizer steps and against tokens seen) and
+held-out; held-out MLM accuracy, over all predicted positions and at [MASK] positions only, with
+the most-frequent-token baseline; held-out NSP accuracy with chance; learning rate; tokens/s --
+against optimizer steps and against tokens seen) and
 report.md (final metrics, throughput, training time, parameters, the key settings), all from
 the run's metrics.jsonl and its saved config.
 
@@ -42,6 +43,7 @@ class Run:
     model_config: dict = field(default_factory=dict)
     baseline: Optional[float] = None
     baseline_source: str = "not available"
+    baseline_note: str = "not available"  # the same without paths, for the pictures
     checkpoint: Optional[str] = None
 
     def tokens_at(self, step: int) -> Optional[float]:
@@ -99,21 +101,24 @@ def _read_config(run_dir: str, checkpoint: Optional[str]) -> dict:
 
 
 def _baseline(run: Run) -> tuple:
+    """(value or None, where it came from, the same without paths)."""
     logged = [r[BASELINE_KEY] for r in run.evals + run.train if r.get(BASELINE_KEY) is not None]
     if logged:
-        return float(logged[-1]), "logged in metrics.jsonl"
+        return float(logged[-1]), "logged in metrics.jsonl", "logged in metrics.jsonl"
     data_dir = (run.config.get("data") or {}).get("dir")
     if not data_dir:
-        return None, "not available (no data.dir in the run's config)"
+        return None, "not available (no data.dir in the run's config)", "not available"
     split = (run.config.get("data") or {}).get("eval_split", "validation")
     try:
         from .data import PreparedData
-        from .trainer import majority_baseline
+        from .evaluation import majority_baseline
 
         return majority_baseline(PreparedData(data_dir), split), \
-            f"computed from {data_dir} ({split} split)"
+            f"computed from {data_dir} ({split} split)", \
+            f"computed from the run's data ({split} split)"
     except Exception as exc:  # data moved or deleted since: the report still has the rest
-        return None, f"not available ({data_dir}: {str(exc).splitlines()[0][:80]})"
+        return None, f"not available ({data_dir}: {str(exc).splitlines()[0][:80]})", \
+            "not available (the run's data is gone)"
 
 
 def read_run(run_dir: str) -> Run:
@@ -146,7 +151,7 @@ def read_run(run_dir: str) -> Run:
               checkpoint=checkpoint)
     # Same step logged twice (a resumed run re-evaluating, or the final eval): keep the last.
     run.evals = list({r["step"]: r for r in run.evals}.values())
-    run.baseline, run.baseline_source = _baseline(run)
+    run.baseline, run.baseline_source, run.baseline_note = _baseline(run)
     return run
 
 
@@ -174,7 +179,11 @@ def _panels(runs: list, x_of) -> list:
                        series(i, run.evals, "eval_mlm_loss", held_l, "--", "o")]
         nsp.series += [series(i, run.train, "nsp_loss", train_l),
                        series(i, run.evals, "eval_nsp_loss", held_l, "--", "o")]
-        mlm_acc.series.append(series(i, run.evals, "eval_mlm_accuracy", held_l, "--", "o"))
+        mlm_acc.series += [series(i, run.evals, "eval_mlm_accuracy", held_l, "--", "o"),
+                           # what fill-mask does: 80% of the predicted positions hold [MASK],
+                           # the rest a random or the original token (easier to guess)
+                           series(i, run.evals, "eval_mlm_accuracy_masked",
+                                  "held-out, [MASK] positions only", "--", "^")]
         if run.baseline is not None:
             mlm_acc.hlines.append((i, run.baseline, "most frequent token (baseline)", "-."))
         nsp_acc.series.append(series(i, run.evals, "eval_nsp_accuracy", held_l, "--", "o"))
@@ -184,13 +193,26 @@ def _panels(runs: list, x_of) -> list:
     return [loss, mlm, nsp, mlm_acc, nsp_acc, lr, speed]
 
 
+def run_labels(runs: list) -> list:
+    """The runs' names; where two share one (two runs of the same experiment), the fewest
+    trailing components of their directories that tell them apart (a/demo, b/demo), never a
+    whole path from the machine they ran on."""
+    names = [r.name for r in runs]
+    if len(set(names)) == len(names):
+        return names
+    parts = [os.path.abspath(r.run_dir).split(os.sep) for r in runs]
+    for n in range(1, max(len(p) for p in parts) + 1):
+        tails = ["/".join(p[-n:]) for p in parts]
+        if len(set(tails)) == len(tails):
+            return tails
+    return [f"{name} ({i + 1})" for i, name in enumerate(names)]  # the same directory twice
+
+
 def draw_curves(runs: list, out_dir: str) -> list:
     from .plotting import plot_panels
 
-    names = [r.name for r in runs]
-    if len(set(names)) < len(names):  # two runs of the same experiment: tell them apart
-        names = [r.run_dir for r in runs]
-    notes = [f"baseline {r.name}: {r.baseline_source}" for r in runs]
+    names = run_labels(runs)
+    notes = [f"baseline {name}: {r.baseline_note}" for name, r in zip(names, runs)]
     title = ", ".join(names) if len(runs) <= 3 else f"{len(runs)} runs"
     by_step = plot_panels(_panels(runs, lambda run, r: r["step"]), names, "optimizer step",
                           title, os.path.join(out_dir, "curves_steps.png"), notes)
@@ -273,6 +295,8 @@ def run_rows(run: Run) -> dict:
         "held-out at step": str(final_eval.get("step", "-")),
         "held-out MLM loss": _num(final_eval.get("eval_mlm_loss")),
         "held-out MLM accuracy": _num(final_eval.get("eval_mlm_accuracy")),
+        "held-out MLM accuracy at [MASK] positions": _num(
+            final_eval.get("eval_mlm_accuracy_masked")),
         "most-frequent-token baseline": _num(run.baseline),
         "held-out NSP loss": _num(final_eval.get("eval_nsp_loss")),
         "held-out NSP accuracy": _num(final_eval.get("eval_nsp_accuracy")),

@@ -304,7 +304,7 @@ def write_csv(path: Path, trials: Sequence[Trial], metric: str, swept: Sequence[
 
 def plot_metric(path: Path, trials: Sequence[Trial], metric: str, swept: Sequence[str]) -> None:
     """One panel per swept hyperparameter (drawn by plotting.plot_sweep), best trial circled;
-    with nothing swept, the metric against the job number."""
+    with nothing swept, the metric against the job number; with no trial to plot, why."""
     from .plotting import plot_sweep
 
     scored = [t for t in trials if t.value(metric) is not None]
@@ -313,7 +313,20 @@ def plot_metric(path: Path, trials: Sequence[Trial], metric: str, swept: Sequenc
     n_failed = len(trials) - len(scored)
     plot_sweep(str(path), points, metric, params,
                f"{len(scored)} trials with {metric}" + (f", {n_failed} without" if n_failed
-                                                        else ""))
+                                                        else ""),
+               empty=None if scored else [nothing_scored(trials, metric)]
+               + [f"job {_fmt(t.job_num)}: {t.error}" for t in trials if t.error][:3])
+
+
+def nothing_scored(trials: Sequence[Trial], metric: str) -> str:
+    """The line a summary shows when no trial has `metric` (every one failed, or none ended)."""
+    statuses: dict[str, int] = {}
+    for t in trials:
+        statuses[t.status] = statuses.get(t.status, 0) + 1
+    if statuses.get("failed") == len(trials):
+        return f"no trial has {metric}: all {len(trials)} failed"
+    return f"no trial has {metric}: " + ", ".join(f"{n} {status}" for status, n in
+                                                  sorted(statuses.items()))
 
 
 def summarize(sweep_dir: str | os.PathLike, metric: str = "eval_mlm_loss", mode: str = "min",
@@ -330,6 +343,8 @@ def summarize(sweep_dir: str | os.PathLike, metric: str = "eval_mlm_loss", mode:
     swept, fixed = split_overrides(ranked)
     table = format_table(ranked, metric, swept)
     head = f"sweep {sweep}: {len(ranked)} trials, ranked by {metric} ({mode})"
+    if not any(t.value(metric) is not None for t in ranked):
+        head += f"\n{nothing_scored(ranked, metric)} (errors below the table)"
     if fixed:
         head += "\nfixed: " + " ".join(f"{k}={v}" for k, v in fixed.items())
     text = head + "\n" + table + "\n"
@@ -458,19 +473,70 @@ class SweepSummaryCallback(Callback):
         # Hydra's basic sweeper raises when a member failed, before on_multirun_end: the summary
         # of the members that did run is still worth having, so it is also written at exit.
         atexit.register(self._write_pending)
+        if "optuna" in str(OmegaConf.select(config, "hydra.sweeper._target_") or ""):
+            _end_failed_optuna_sweeps_in_one_line(self._all_failed)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._write_pending()
 
-    def _write_pending(self) -> None:
+    def _write_pending(self) -> Summary | None:
         if self._pending is None:
-            return
+            return None
         sweep_dir, metric, mode = self._pending
         self._pending = None
         try:
-            summarize(sweep_dir, metric, mode)
+            return summarize(sweep_dir, metric, mode)
         except Exception as e:  # a summary problem must never turn a finished sweep into a crash
             log.error("sweep summary of %s not written: %s", sweep_dir, _first_line(e))
+            return None
+
+    def _all_failed(self) -> str:
+        """Every trial of an Optuna study failed: the summary (printed), then the one line."""
+        summary = self._write_pending()
+        if summary is None:
+            return "every trial of the sweep failed, so Optuna has no best trial"
+        errors = [t for t in summary.trials if t.error]
+        first = f"; job {_fmt(errors[0].job_num)}: {errors[0].error}" if errors else ""
+        return (f"all {len(summary.trials)} trials of the sweep failed, so Optuna has no best "
+                f"trial{first} (every trial's error: {summary.table_path})")
+
+
+_on_all_failed: list = []
+
+
+def _end_failed_optuna_sweeps_in_one_line(message) -> None:
+    """The Optuna sweeper asks its study for the best trial after the last one; when every trial
+    failed there is none, and Optuna's `ValueError: No trials are completed yet.` reached the
+    user as a 20-line traceback.  Wrapped here (the sweeper is a Hydra plugin: its class can only
+    be replaced by another plugin package), it ends in `<prog>: error: ...` from
+    `message()` and exit status 1, after the summary."""
+    try:
+        from hydra_plugins.hydra_optuna_sweeper import _impl
+    except ImportError:
+        return
+    _on_all_failed[:] = [message]
+    impl = _impl.OptunaSweeperImpl
+    if getattr(impl.sweep, "_ends_in_one_line", False):
+        return
+    original = impl.sweep
+
+    def sweep(self, arguments):
+        try:
+            return original(self, arguments)
+        except ValueError as e:
+            if "No trials are completed" not in str(e) or not _on_all_failed:
+                raise
+            # printed here and exited: Hydra would add a HYDRA_FULL_ERROR hint to any exception
+            print(f"{_prog()}: error: {_on_all_failed[0]()}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    sweep._ends_in_one_line = True  # type: ignore[attr-defined]
+    impl.sweep = sweep
+
+
+def _prog() -> str:
+    name = Path(sys.argv[0]).name
+    return "bert-train" if name in ("train.py", "bert-train") else name
 
 
 # --------------------------------------------------------------------------- command line

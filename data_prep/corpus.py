@@ -243,6 +243,10 @@ def read_documents(cfg: DocumentsCorpusConfig,
 
 def _load_hf(cfg: HFCorpusConfig):
     import datasets
+
+    from bert_pretrain.progress import on_terminal
+    if not on_terminal():  # its tqdm bars would fill a log file with carriage returns
+        datasets.disable_progress_bars()
     name = os.path.expanduser(cfg.name)
     saved = os.path.isdir(name) and any(
         os.path.exists(os.path.join(name, f))

@@ -32,7 +32,7 @@ from data_prep.shards import (add_stats, is_done, read_stats, remove_crash_lefto
                               remove_stale_tmp, shard_path, shard_stats, stats_table, summarize,
                               tmp_suffix, write_json_atomic, write_shard)
 from data_prep.token_store import TokenStore, is_complete, read_blocks, tokenize_corpus
-from data_prep.tokenizer import prepare_tokenizer
+from data_prep.tokenizer import prepare_tokenizer, vocab_shortfall
 from data_prep.workers import init_worker_process
 
 FORMAT_VERSION = 1
@@ -172,8 +172,8 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
 
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
-    from tqdm import tqdm
-    with tqdm(total=len(tasks), desc="shards", unit=" shard", disable=not progress) as bar:
+    from bert_pretrain.progress import progress_bar
+    with progress_bar(len(tasks), desc="shards", unit="shard", enabled=progress) as bar:
         if num_proc == 1 or len(tasks) <= 1:
             _W.clear()
             _W.update(ctx)
@@ -373,7 +373,11 @@ def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> 
         "vocab_size": tok.vocab_size, "token_dtype": tok.token_dtype,
         "special_token_ids": tok.special_ids,
         "tokenizer": {"path": "tokenizer", "sha256": tok.sha256,
-                      "do_lower_case": tok.do_lower_case},
+                      "do_lower_case": tok.do_lower_case,
+                      # trained: what was asked, and why fewer pieces came out (or null)
+                      **({} if cfg.tokenizer.vocab_file else {
+                          "vocab_size_asked": cfg.tokenizer.vocab_size,
+                          "vocab_shortfall": vocab_shortfall(cfg.tokenizer, tok.vocab_size)})},
         "splits": splits,
         "masking": {"masked_lm_prob": cfg.masked_lm_prob, "whole_word_mask": cfg.whole_word_mask,
                     "max_predictions_per_seq": cfg.max_predictions_per_seq},
@@ -389,5 +393,8 @@ def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> 
     # The statistics table is the run's report: always printed.
     print(stats_table({"train": per_split["train"], "validation": per_split["validation"],
                        "all": stats}))
-    print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}")
+    short = "" if cfg.tokenizer.vocab_file or tok.vocab_size >= cfg.tokenizer.vocab_size else \
+        f" of the {cfg.tokenizer.vocab_size:,} asked (see the warning above)"
+    print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}; "
+          f"vocabulary: {tok.vocab_size:,} pieces{short}")
     return manifest

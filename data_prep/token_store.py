@@ -196,7 +196,7 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
     import socket
 
-    from tqdm import tqdm
+    from bert_pretrain.progress import progress_bar
     tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -205,7 +205,7 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     fdoc = open(os.path.join(tmp, "doc_off.bin"), "wb")
     np.zeros(1, np.int64).tofile(fsent)
     state = {"tokens": 0, "sentences": 0, "documents": 0, "pending_start": False}
-    bar = tqdm(desc="tokenize", unit=" sent", disable=not progress, mininterval=0.5)
+    bar = progress_bar(desc="tokenize", unit="sent", enabled=progress)
 
     def write(ids: np.ndarray, lens: np.ndarray, flags: list[bool]) -> None:
         keep = np.flatnonzero(lens)

@@ -147,11 +147,13 @@ def load_tokenizer(path: str, do_lower_case: bool = True):
 def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[str]]],
                     progress: bool):
     from tokenizers import BertWordPieceTokenizer
+
+    from bert_pretrain.progress import on_terminal
     wp = BertWordPieceTokenizer(lowercase=cfg.do_lower_case)
     wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences),
                            vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                            limit_alphabet=cfg.limit_alphabet, special_tokens=list(SPECIAL_TOKENS),
-                           show_progress=progress)
+                           show_progress=progress and on_terminal())
     # The trainer breaks ties between equally frequent pieces in hash-map order, so the same
     # vocabulary comes out with ids in a different order from run to run (and, about one run
     # in ten, with a different last piece when a tie straddles vocab_size).  WordPiece does not
@@ -236,7 +238,7 @@ def prepare_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[
     saved = os.path.join(directory, "tokenizer.json")
     if reuse_saved and os.path.isfile(saved):
         tok, lower = _from_tokenizer_json(saved)
-        return _ready(_finish(tok, lower))
+        return _ready(_warn_if_short(cfg, _finish(tok, lower)))
     if cfg.vocab_file:
         tok, lower = load_tokenizer(os.path.expanduser(cfg.vocab_file), cfg.do_lower_case)
     else:
@@ -247,7 +249,30 @@ def prepare_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[
     if not save_tokenizer(pt, directory, replace=False):
         tok, lower = _from_tokenizer_json(saved)
         pt = _finish(tok, lower)
-    return _ready(pt)
+    return _ready(_warn_if_short(cfg, pt))
+
+
+def vocab_shortfall(cfg: TokenizerConfig, vocab_size: int) -> str | None:
+    """Why a trained vocabulary has fewer pieces than tokenizer.vocab_size, or None.
+
+    The WordPiece trainer grows the vocabulary by merging the most frequent pair of adjacent
+    pieces until it has vocab_size pieces or no pair occurs min_frequency times: then every
+    frequent word is already one piece, and a small corpus stops it early (Python's topic docs,
+    0.5 MB, give 4,320 pieces of 8,000).  The model then has the smaller vocabulary: it is the
+    manifest's vocab_size."""
+    if cfg.vocab_file or vocab_size >= cfg.vocab_size:
+        return None
+    return (f"the trained vocabulary has {vocab_size:,} pieces, not tokenizer.vocab_size="
+            f"{cfg.vocab_size:,}: the corpus ran out of merges (no pair of pieces left occurs "
+            f"tokenizer.min_frequency={cfg.min_frequency} times or more); more text gives more "
+            f"pieces")
+
+
+def _warn_if_short(cfg: TokenizerConfig, pt: PreparedTokenizer) -> PreparedTokenizer:
+    why = vocab_shortfall(cfg, pt.vocab_size)
+    if why:
+        print(f"bert-prep: warning: {why}", file=sys.stderr, flush=True)
+    return pt
 
 
 def _ready(pt: PreparedTokenizer) -> PreparedTokenizer:

@@ -6,7 +6,40 @@ import random
 
 import pytest
 
+import time_limits
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """Each test's pytest-timeout budget, for time_limits.hang_limit(); returns None so that
+    pytest-timeout still sets its own timer."""
+    time_limits.start_budget(settings.timeout)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    time_limits.start_budget(None)  # the next test may have no timeout at all
+
+
+# Slow tests train for minutes (24 kill-and-resume cycles, the README's first hour): their
+# hang budget is this many times pyproject's per-test `timeout`.
+SLOW_BUDGET_FACTOR = 4
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow tests get SLOW_BUDGET_FACTOR x the configured per-test timeout, unless the user
+    chose one (--timeout, PYTEST_TIMEOUT) or the test names its own."""
+    try:
+        base = float(config.getini("timeout") or 0)  # ValueError without pytest-timeout
+    except ValueError:
+        return
+    if not base or config.getoption("timeout", None) is not None or \
+            os.environ.get("PYTEST_TIMEOUT"):
+        return
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_BUDGET_FACTOR * base))
 
 
 @pytest.fixture(scope="session")
@@ -112,3 +145,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def drawn_figures(monkeypatch):
+    """The matplotlib figures bert_pretrain.plotting saves during the test, drawn and kept open
+    for the test to read (titles, legends, ticks, texts), as well as written as PNGs."""
+    from bert_pretrain import plotting
+
+    figures = []
+    real = plotting.save
+
+    def keep(fig, path):
+        fig.canvas.draw()
+        figures.append(fig)
+        return real(fig, path)
+    monkeypatch.setattr(plotting, "save", keep)
+    return figures

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bert_pretrain.cpu_runtime import NO_BF16_UNITS_ENV, bf16_units
+from time_limits import hang_limit
 
 REPO = Path(__file__).resolve().parent.parent
 pytest.importorskip("transformers")
@@ -19,7 +23,7 @@ def test_runs_summary_and_competing_process(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
                         "bert_tiny:4:32", "--dtypes", "fp32", "--warmup", "1", "--steps", "2",
                         "--runs", "3", "--compete", "--vocab-size", "512", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     assert "median of 3 runs (min-max):" in r.stdout
     result = json.loads(out.read_text())
@@ -40,20 +44,52 @@ def test_runs_summary_and_competing_process(tmp_path):
 
 def test_bad_preset_spec_is_one_line():
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
-                        "bert_tiyn:4"], capture_output=True, text=True, timeout=120)
+                        "bert_tiyn:4"], capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode != 0
     assert r.stderr.strip().splitlines()[-1].startswith("error: --presets takes NAME:BATCH[:SEQ]")
 
 
 def test_dropout_and_the_sdpa_variant(tmp_path):
     """--dropout 0 (as budget recipes train) is recorded with the results; ours-sdpa (SDPA on
-    CPU, where the default takes the explicit product) is timed beside ours."""
+    CPU, where the default takes the explicit product) is timed beside ours, in the dtypes the
+    bench picks for this CPU (bf16 too where it has bf16 matrix units)."""
     out = tmp_path / "model.json"
     r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
-                        "bert_tiny:4:32", "--dtypes", "bf16", "--warmup", "1", "--steps", "1",
+                        "bert_tiny:4:32", "--warmup", "1", "--steps", "1",
                         "--dropout", "0", "--variants", "ours-sdpa", "--vocab-size", "512",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+                        "--out", str(out)], capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["dropout"] == 0.0
     assert {row["model"] for row in result["summary"]} == {"ours", "transformers", "ours-sdpa"}
+    dtypes = {"fp32", "bf16"} if bf16_units() else {"fp32"}
+    assert {row["dtype"] for row in result["summary"]} == dtypes
+    assert set(result["runs"][0]["matmul_peak_flops"]) == dtypes
+
+
+def test_no_bf16_units_measures_fp32_only_and_says_so(tmp_path):
+    """On a CPU without bf16 matrix instructions (forced here through the environment) bf16
+    would be emulated, ~150x slower than fp32: the bench neither times it nor measures its
+    torch.mm peak, and says why on stdout and in the JSON; asking for it is a one-line error."""
+    env = {**os.environ, NO_BF16_UNITS_ENV: "1"}
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:2:32", "--warmup", "1", "--steps", "1", "--vocab-size", "512",
+                        "--out", str(out)], capture_output=True, text=True, env=env,
+                       timeout=hang_limit())
+    assert r.returncode == 0, r.stderr[-2000:]
+    why = f"{NO_BF16_UNITS_ENV} is set: treated as a CPU without bf16 matrix instructions"
+    assert "bf16 units: none" in r.stdout and f"bf16: not measured: {why}" in r.stdout
+    measured = [ln for ln in r.stdout.splitlines() if "tok/s" in ln or "torch.mm" in ln]
+    assert len(measured) == 3 and not any("bf16" in ln for ln in measured), r.stdout
+    result = json.loads(out.read_text())
+    assert result["bf16_units"] is None and result["bf16_not_measured"] == why
+    assert result["dtypes"] == ["fp32"]
+    assert list(result["runs"][0]["matmul_peak_flops"]) == ["fp32"]
+    assert {row["dtype"] for row in result["runs"][0]["results"]} == {"fp32"}
+
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--dtypes",
+                        "fp32", "bf16"], capture_output=True, text=True, env=env,
+                       timeout=hang_limit())
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines() == [f"error: --dtypes bf16: {why}; measure fp32 here"]

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from time_limits import hang_limit
 from train_support import REPO
 
 BIN = os.path.dirname(sys.executable)
@@ -22,7 +23,7 @@ PREP_GROUPS = {"corpus"}
 def groups_in_help(command):
     env = dict(os.environ, PYTHONPATH=REPO)
     r = subprocess.run([os.path.join(BIN, command), "--help"], capture_output=True, text=True,
-                       cwd=REPO, env=env, timeout=300)
+                       cwd=REPO, env=env, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     block = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     return r.stdout, {m.group(1) for m in re.finditer(r"^(\w+): ", block, re.M)}
@@ -95,3 +96,29 @@ def test_no_suggestion_when_nothing_is_close(monkeypatch, capsys):
 
     err = error_line(train, ["model.zzzzzz=1"], monkeypatch, capsys)
     assert "did you mean" not in err and "model.zzzzzz" in err
+
+
+def test_bert_launch_help_documents_bert_launch(capsys):
+    """bert-launch --help says what bert-launch is and how to use it, with examples, instead of
+    accelerate launch's 577 lines; a --help after the training module is bert-train's."""
+    from bert_pretrain import launch
+
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("bert-launch: ") and "Usage: bert-launch " in text
+    assert "accelerate launch --help" in text  # where the other options are
+    assert len(text.splitlines()) < 60 and "Hardware Selection Arguments" not in text
+    examples = text.split("Examples:")[1].split("\n\n")[0].replace("\\\n", " ")
+    commands = [" ".join(c.split()) for c in examples.strip().split("\n  bert-launch ")]
+    assert len(commands) == 3 and all("-m bert_pretrain.train" in c for c in commands)
+    for name in re.findall(r"conf/accelerate/(\w+\.yaml)", text):
+        assert os.path.isfile(os.path.join(REPO, "conf", "accelerate", name)), name
+    # the examples parse as accelerate launch arguments (the shell variables set)
+    for command in commands:
+        command = command.replace("$NODE_RANK", "1").replace("$MASTER_ADDR", "10.0.0.1")
+        args = launch._parser().parse_args(command.removeprefix("bert-launch ").split())
+        assert args.module and args.training_script == "bert_pretrain.train"
+    args = launch._parser().parse_args(["-m", "bert_pretrain.train", "--help"])
+    assert args.training_script_args == ["--help"]

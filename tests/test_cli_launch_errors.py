@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from time_limits import hang_limit
 from train_support import REPO, write_prepared
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
@@ -34,7 +35,7 @@ def test_wandb_online_without_login_is_one_line(tmp_path):
         [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
          f"run_dir={tmp_path / 'run'}", "logger=wandb", "logger.mode=online",
          f"hydra.run.dir={tmp_path / 'hydra'}"],
-        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode == 2, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
@@ -54,7 +55,7 @@ def _launch(tmp_path, launcher, *overrides):
          "--main_process_port", str(free_port()), "-m", "bert_pretrain.train",
          "experiment=smoke", f"data.dir={data}", f"run_dir={tmp_path / 'run'}",
          f"hydra.run.dir={tmp_path / 'hydra'}", *overrides],
-        cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+        cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=hang_limit())
 
 
 BAD = "resume=" + "/nonexistent/step-00000001"

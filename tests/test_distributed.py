@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from time_limits import hang_limit
 from train_support import write_prepared
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +40,8 @@ def free_port() -> int:
 def run(cmd: list[str], env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "WANDB_SILENT": "true",
            **(env_extra or {})}
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=hang_limit(),
+                       env=env)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from time_limits import hang_limit
 from train_support import write_prepared
 
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +23,7 @@ TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attentio
 
 def run_check(*args):
     return subprocess.run([sys.executable, str(REPO / "bench" / "learning_check.py"), *args],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+                          capture_output=True, text=True, timeout=hang_limit(), cwd=REPO)
 
 
 def test_learning_check_runs_ours_and_transformers(tmp_path):

@@ -10,13 +10,14 @@ import pytest
 
 from data_prep.errors import PrepError
 from data_prep.pipeline import run
+from time_limits import hang_limit
 
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([BERT_PREP, "progress=false", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=hang_limit())
 
 
 def assert_one_line_error(p: subprocess.CompletedProcess, pattern: str) -> None:

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from data_prep.errors import PrepError
+from time_limits import hang_limit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
@@ -90,7 +91,7 @@ def test_every_field_rejects_bad_values_in_one_line(field):
 def test_cli_bad_numbers_exit_2(tmp_path, setting, pattern):
     import re
     p = subprocess.run([BERT_PREP, "progress=false", f"output_dir={tmp_path / 'o'}", setting],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=hang_limit())
     assert p.returncode == 2, p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("bert-prep: error: "), p.stderr
@@ -223,7 +224,7 @@ def test_cli_hostile_corpora_never_traceback(tmp_path, text):
     p = subprocess.run([BERT_PREP, "progress=false", "corpus=text", f"corpus.paths=[{corpus}]",
                         f"output_dir={tmp_path / 'o'}", "tokenizer.vocab_size=64",
                         "tokenizer.min_frequency=1", "validation_fraction=0"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=hang_limit())
     assert "Traceback" not in p.stderr + p.stdout
     if p.returncode == 0:
         import json

@@ -111,16 +111,50 @@ def test_bad_vocabularies(tmp_path):
         load_tokenizer(str(bpe))
 
 
-def test_trained_vocab_prep_end_to_end(prep_compose, prep_small, tmp_path):
+def test_trained_vocab_prep_end_to_end(prep_compose, prep_small, tmp_path, capsys):
     m = run(prep_compose("corpus=text", f"corpus.paths=[{prep_small}]",
                          f"output_dir={tmp_path}", "tokenizer.vocab_size=2000", "dupe_factor=1"))
     assert m["vocab_size"] == 2000 and m["token_dtype"] == "uint16"
+    assert m["tokenizer"]["vocab_size_asked"] == 2000 and m["tokenizer"]["vocab_shortfall"] is None
+    out, err = capsys.readouterr()
+    assert "warning" not in err and out.rstrip().endswith("; vocabulary: 2,000 pieces")
     assert m["special_token_ids"] == {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
     vocab = open(tmp_path / "tokenizer" / "vocab.txt", encoding="utf-8").read().split("\n")
     assert len(vocab) - 1 == 2000 and vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     import hashlib
     assert m["tokenizer"]["sha256"] == hashlib.sha256(
         (tmp_path / "tokenizer" / "vocab.txt").read_bytes()).hexdigest()
+
+
+def test_a_vocabulary_smaller_than_asked_is_one_warning_and_recorded(prep_compose, tmp_path,
+                                                                      capsys):
+    """A small corpus runs out of merges before tokenizer.vocab_size pieces: bert-prep says so
+    (both numbers and why) in one line, the manifest records it, the final line repeats it."""
+    words = [f"word{i}" for i in range(50)]
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("\n\n".join("\n".join(" ".join(words[(d + s + k) % 50] for k in range(12))
+                                             + " ." for s in range(6)) for d in range(20)),
+                      encoding="utf-8")
+    m = run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={tmp_path / 'o'}",
+                         "tokenizer.vocab_size=3000", "dupe_factor=1"))
+    n = m["vocab_size"]
+    assert 60 < n < 3000
+    why = (f"the trained vocabulary has {n:,} pieces, not tokenizer.vocab_size=3,000: the corpus "
+           "ran out of merges (no pair of pieces left occurs tokenizer.min_frequency=2 times or "
+           "more); more text gives more pieces")
+    out, err = capsys.readouterr()
+    assert err.splitlines()[0] == f"bert-prep: warning: {why}"
+    assert sum("warning" in ln for ln in err.splitlines()) == 1
+    assert m["tokenizer"]["vocab_size_asked"] == 3000 and m["tokenizer"]["vocab_shortfall"] == why
+    assert out.rstrip().endswith(f"; vocabulary: {n:,} pieces of the 3,000 asked (see the "
+                                 "warning above)")
+    # a given vocabulary (tokenizer.vocab_file) is used as it is: nothing to warn about
+    assert len(open(tmp_path / "o" / "tokenizer" / "vocab.txt").read().splitlines()) == n
+    m = run(prep_compose("corpus=text", f"corpus.paths=[{corpus}]", f"output_dir={tmp_path / 'v'}",
+                         f"tokenizer.vocab_file={tmp_path / 'o' / 'tokenizer' / 'vocab.txt'}",
+                         "tokenizer.vocab_size=3000", "dupe_factor=1"))
+    assert "warning" not in capsys.readouterr().err
+    assert "vocab_size_asked" not in m["tokenizer"]
 
 
 def test_google_style_vocab_layout_and_int32_ids(prep_compose, prep_tagged, tmp_path):

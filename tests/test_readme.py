@@ -36,6 +36,7 @@ import sys
 
 import pytest
 
+from time_limits import hang_limit
 from train_support import REPO
 
 README = os.path.join(REPO, "README.md")
@@ -146,7 +147,7 @@ def environment():
 
 def run_shell(script, cwd):
     return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=environment(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=hang_limit())
 
 
 BLOCKS = readme_blocks()

@@ -6,10 +6,10 @@ import os
 
 import pytest
 
+from bert_pretrain.data import PreparedData
+from bert_pretrain.evaluation import majority_baseline
 from bert_pretrain.report import (BASELINE_KEY, count_parameters, main, read_run,
                                   write_run_report)
-from bert_pretrain.trainer import majority_baseline
-from bert_pretrain.data import PreparedData
 from train_support import read_metrics, train_in_process, write_prepared
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -62,6 +62,8 @@ def test_report_of_one_run(runs):
     for key in ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"):
         label = "held-out " + key[5:].replace("_", " ").replace("mlm", "MLM").replace("nsp", "NSP")
         assert rows[label] == [f"{last_eval[key]:.4f}"], label
+    assert rows["held-out MLM accuracy at [MASK] positions"] == [
+        f"{last_eval['eval_mlm_accuracy_masked']:.4f}"]
     assert rows["mean throughput (tokens/s)"] == [
         f"{last_train['tokens_seen'] / last_train['elapsed_s']:,.0f}"]
     # the baseline, computed from the run's data (no value logged)
@@ -102,6 +104,38 @@ def test_several_runs_overlaid(runs, tmp_path, capsys):
     assert rows[""] == ["smoke_a", "smoke_b"]
     assert rows["peak learning rate"] == ["0.001", "0.003"]
     assert _png_size(os.path.join(out, "curves_tokens.png")) == (1680, 660)
+
+
+def test_pictures_name_the_runs_not_their_paths(runs, tmp_path, drawn_figures):
+    """Two runs of the same experiment (same name) are told apart by the end of their
+    directories, not by a whole path from the machine; the baseline note names no path either;
+    the MLM accuracy panel also shows the accuracy at [MASK] positions (what fill-mask does)."""
+    prepared, (a, b) = runs
+    for run, where in ((a, "lr1e-3"), (b, "lr3e-3")):
+        copy = tmp_path / "somewhere" / where / "demo"
+        os.makedirs(copy)
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            (copy / "metrics.jsonl").write_text(f.read())
+        os.makedirs(copy / ".hydra")  # the data's path is known: the baseline is computed
+        (copy / ".hydra" / "config.yaml").write_text(f"name: demo\ndata:\n  dir: {prepared}\n")
+    main([str(tmp_path / "somewhere" / "lr1e-3" / "demo"),
+          str(tmp_path / "somewhere" / "lr3e-3" / "demo"), "-o", str(tmp_path / "out")])
+    for fig in drawn_figures:
+        legend = [ax.get_legend() for ax in fig.axes if ax.get_legend()][0]
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert labels[:2] == ["lr1e-3/demo", "lr3e-3/demo"], labels
+        assert "held-out, [MASK] positions only" in labels
+        texts = [fig._suptitle.get_text()] + [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert texts[0] == "lr1e-3/demo, lr3e-3/demo"
+        assert "baseline lr1e-3/demo: computed from the run's data (validation split)" in \
+            " ".join(" ".join(texts).split())
+        assert not any(str(tmp_path) in t or prepared in t for t in texts + labels)
+        (mlm_acc,) = [ax for ax in fig.axes if ax.get_title() == "held-out MLM accuracy"]
+        markers = sorted(line.get_marker() for line in mlm_acc.get_lines() if line.get_marker()
+                         not in (None, "None", ""))
+        assert markers == ["^", "^", "o", "o"]  # all predicted and [MASK] only, for both runs
+    # report.md keeps the whole story, paths included
+    assert f"computed from {prepared}" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

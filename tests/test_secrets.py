@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from bert_pretrain.redact import redact, secret_values
+from time_limits import hang_limit
 from train_support import REPO, write_prepared
 
 SECRETS = {
@@ -50,7 +51,7 @@ def test_no_secret_in_anything_a_run_writes(tmp_path):
          "logger.mode=offline", "trainer.max_steps=3", "trainer.checkpoint_every=3",
          # a user who wires a token into the config (it ends up in the resolved config)
          "logger.tags=[smoke,${oc.env:HF_TOKEN}]", "logger.group=${oc.env:MY_SERVICE_SECRET}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-3000:]
     files = list(_every_file(run_dir, hydra_dir))
     names = {os.path.relpath(f, run_dir) for f in files}

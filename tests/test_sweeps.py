@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bert_pretrain import sweep_summary as ss
+from time_limits import hang_limit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -112,6 +113,51 @@ def test_summary_plot_is_a_png_with_one_panel_per_swept_param(grid_sweep: Path) 
     assert w > 1.8 * h  # two panels side by side
 
 
+def test_summary_of_a_sweep_where_every_trial_failed_says_so(tmp_path: Path,
+                                                             drawn_figures) -> None:
+    """No trial has the metric: the table's head says why, the picture says so (with the first
+    errors) instead of drawing empty axes."""
+    sweep = tmp_path / "sweep"
+    for num in range(3):
+        make_member(sweep, str(num), [f"trainer.warmup_steps={50 * (num + 1)}"], None,
+                    {"job_num": num, "status": "failed", "error": "ConfigError: trainer."
+                     f"warmup_steps ({50 * (num + 1)}) must be below trainer.max_steps (40)"})
+    figures = drawn_figures
+    s = ss.summarize(sweep, out=None)
+    assert s.table.splitlines()[1] == "no trial has eval_mlm_loss: all 3 failed (errors below " \
+                                      "the table)"
+    assert s.plot_path.read_bytes()[:8] == PNG_MAGIC
+    (fig,) = figures
+    shown = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert len(shown) == 1 and shown[0].startswith("no trial has eval_mlm_loss: all 3 failed\n"
+                                                   "job 0: ConfigError: trainer.warmup_steps (50)")
+    assert not any(ax.axison for ax in fig.axes)  # no empty axes
+    assert ss.nothing_scored(s.trials[:1] + [ss.Trial(sweep, 9, {}, "running")], "x") == \
+        "no trial has x: 1 failed, 1 running"
+
+
+def test_summary_integer_hyperparameters_get_integer_ticks(tmp_path: Path,
+                                                           drawn_figures) -> None:
+    """Warmup steps, layer counts and job numbers are integers: no 1.2, 1.4 ... ticks."""
+    sweep = tmp_path / "sweep"
+    for num, (layers, lr) in enumerate([(1, "1e-4"), (2, "3e-4"), (3, "1e-3")]):
+        make_member(sweep, str(num), [f"model.num_hidden_layers={layers}", f"optim.lr={lr}"],
+                    train_log(5.0 - num), {"job_num": num, "status": "completed"})
+    make_member(tmp_path / "one", "0", ["optim.lr=1e-4"], train_log(5.0),
+                {"job_num": 0, "status": "completed"})
+    make_member(tmp_path / "one", "1", ["optim.lr=1e-4"], train_log(4.0),
+                {"job_num": 1, "status": "completed"})
+    figures = drawn_figures
+    ss.summarize(sweep, out=None)
+    ss.summarize(tmp_path / "one", out=None)  # nothing swept: against the job number
+    layers_ax, lr_ax, job_ax = figures[0].axes + figures[1].axes
+    assert layers_ax.get_xlabel() == "model.num_hidden_layers" and job_ax.get_xlabel() == "job"
+    for ax in (layers_ax, job_ax):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+    assert lr_ax.get_xscale() == "log"  # a decade or more: log, as before
+
+
 def test_summary_maximize_and_objective(grid_sweep: Path) -> None:
     s = ss.summarize(grid_sweep, metric="eval_mlm_accuracy", mode="max", out=None)
     assert [t.job_num for t in s.trials][:4] == [3, 1, 0, 2]
@@ -152,7 +198,7 @@ def test_summary_bad_input_one_line_errors(tmp_path: Path, grid_sweep: Path, cap
 def test_summary_command_line(grid_sweep: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "bert_pretrain.sweep_summary", str(grid_sweep),
                         "--metric", "eval_mlm_accuracy"], capture_output=True, text=True,
-                       timeout=120)
+                       timeout=hang_limit())
     assert r.returncode == 0, r.stderr
     assert "ranked by eval_mlm_accuracy (max)" in r.stdout
     assert (grid_sweep / "summary.csv").is_file() and (grid_sweep / "summary.png").is_file()
@@ -200,7 +246,7 @@ def run_toy(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Pa
     (tmp_path / "conf" / "cfg.yaml").write_text(TOY_CONF)
     sweep = tmp_path / "sweep"
     r = subprocess.run([sys.executable, "app.py", "-m", f"hydra.sweep.dir={sweep}", *args],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                       cwd=tmp_path, capture_output=True, text=True, timeout=hang_limit())
     return r, sweep
 
 
@@ -276,7 +322,7 @@ def prepared(tmp_path_factory) -> str:
 def bert_train_multirun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env=env)
+                          capture_output=True, text=True, timeout=hang_limit(), env=env)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -322,19 +368,20 @@ def test_grid_sweep_2x2_bert_train(prepared, tmp_path):
 
 def test_optuna_search_3_trials_bert_train(prepared, tmp_path):
     sweep = tmp_path / "optuna"
+    # the config's search space as it is: its warmup is a fraction of max_steps, so trials of
+    # 4 steps search a warmup they can run (a range of 0..400 steps failed every one of them)
     r = bert_train_multirun("hparams_search=mlm_tpe", *TINY,  # the config implies -m
                             f"data.dir={prepared}",
                             f"hydra.sweep.dir={sweep}", "hydra.sweeper.n_trials=3",
-                            "hydra.sweeper.sampler.n_startup_trials=2",
-                            # the search space of the config, narrowed to what 4 steps allow
-                            "trainer.warmup_steps=range(0,2)")  # 0, 1, 2: stop inclusive
+                            "hydra.sweeper.sampler.n_startup_trials=2")
     assert r.returncode == 0, r.stderr[-3000:]
     rows = read_csv(sweep / "summary.csv")
     assert len(rows) == 3 and all(row["status"] == "completed" for row in rows)
     # Swept by the config: lr, warmup and weight decay differ between trials.
     assert len({row["optim.lr"] for row in rows}) == 3
     assert all(5e-5 <= float(row["optim.lr"]) <= 3e-3 for row in rows)
-    assert all(row["trainer.warmup_steps"] in ("0", "1", "2") for row in rows)
+    assert len({row["trainer.warmup_ratio"] for row in rows}) == 3
+    assert all(0.0 <= float(row["trainer.warmup_ratio"]) <= 0.2 for row in rows)
     losses = [float(row["eval_mlm_loss"]) for row in rows]
     assert losses == sorted(losses)
     from omegaconf import OmegaConf
@@ -426,6 +473,25 @@ def test_grid_sweep_failed_member_does_not_stop_the_sweep(prepared, tmp_path):
                                 "trainer.max_steps (4)")
     assert float(rows[0]["eval_mlm_loss"]) == final_eval(Path(rows[0]["dir"]))
     assert "job 0 failed: ConfigError" in r.stdout
+
+
+def test_optuna_sweep_where_every_trial_fails_ends_in_one_line(prepared, tmp_path):
+    """No trial completes, so Optuna has no best trial: the summary says why, and bert-train
+    ends with one error line (Optuna's `ValueError: No trials are completed yet.` was a
+    20-line traceback)."""
+    sweep = tmp_path / "failed"
+    r = bert_train_multirun("hparams_search=mlm_tpe", *TINY, f"data.dir={prepared}",
+                            f"hydra.sweep.dir={sweep}", "hydra.sweeper.n_trials=2",
+                            "trainer.warmup_steps=range(10,11)")  # each >= max_steps=4
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr and "HYDRA_FULL_ERROR" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("bert-train: error: all 2 trials of the sweep failed, so Optuna has "
+                           "no best trial; job 0: ConfigError: trainer.warmup_steps (1") \
+        and last.endswith(f"must be below trainer.max_steps (4) (every trial's error: "
+                          f"{sweep / 'summary.txt'})"), last
+    assert "no trial has eval_mlm_loss: all 2 failed" in (sweep / "summary.txt").read_text()
+    assert [row["status"] for row in read_csv(sweep / "summary.csv")] == ["failed"] * 2
 
 
 @pytest.mark.slow

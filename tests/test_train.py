@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from bert_pretrain.errors import CheckpointError, ConfigError, DataError, TrainingError
+from time_limits import hang_limit
 from train_support import (REPO, read_metrics, run_bert_train, train_in_process,
                            write_prepared)
 
@@ -27,7 +28,7 @@ def real_prep(tmp_path_factory):
         [sys.executable, "-m", "data_prep.build", "corpus=builtin", f"output_dir={out}",
          "max_seq_length=64", "max_predictions_per_seq=10", "dupe_factor=1",
          "tokenizer.vocab_size=2000", "validation_fraction=0.05", "progress=false"],
-        cwd=REPO, capture_output=True, text=True, timeout=600)
+        cwd=REPO, capture_output=True, text=True, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     return out
 

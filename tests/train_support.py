@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 
+from time_limits import hang_limit
+
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -162,12 +164,12 @@ def write_context_prepared(root: str, num_train: int = 4096, num_valid: int = 51
     return root
 
 
-def run_bert_train(args, cwd, env=None, timeout=600):
+def run_bert_train(args, cwd, env=None):
     """bert-train in a subprocess (the real entry point: Hydra, exit codes, stderr)."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", **(env or {})}
     return subprocess.run([sys.executable, "-m", "bert_pretrain.train", *_no_report(args)],
                           cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+                          env=full_env, capture_output=True, text=True, timeout=hang_limit())
 
 
 def _no_report(overrides) -> list:
