@@ -75,8 +75,10 @@ def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int,
         return np.zeros(0, np.int64)
     least = 2 if next_sentence_prediction else 1
     if n < 2 * least:
-        raise PrepError(f"the corpus has {n} document(s): a validation split needs {least} "
-                        f"held-out document(s) and training {least} more; add documents or set "
+        def docs(k: int) -> str:
+            return f"{k} document{'s' if k != 1 else ''}"
+        raise PrepError(f"the corpus has {docs(n)}: a validation split needs {docs(least)} "
+                        f"held out and training {least} more; add documents or set "
                         "validation_fraction=0")
     order = np.random.default_rng(np.random.SeedSequence([seed, 7919])).permutation(n)
     cum = np.cumsum(doc_tokens[order])

@@ -202,6 +202,10 @@ def test_one_document_is_enough_for_mlm_only(prep_compose, tmp_path):
             "validation_fraction=0", "num_proc=1"]
     with pytest.raises(PrepError, match="next-sentence prediction needs a random other"):
         run(prep_compose(*base, f"output_dir={tmp_path / 'nsp'}"))
+    with pytest.raises(PrepError, match="the corpus has 1 document: a validation split needs "
+                                        "1 document held out and training 1 more"):
+        run(prep_compose(*base, f"output_dir={tmp_path / 'held'}", "packing=doc_sentences",
+                         "validation_fraction=0.1"))
     m = run(prep_compose(*base, f"output_dir={tmp_path / 'mlm'}", "packing=doc_sentences"))
     assert m["splits"]["train"]["num_instances"] > 0
     assert m["splits"]["validation"] == {"num_instances": 0, "shards": [], "num_documents": 0,
