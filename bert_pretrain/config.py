@@ -13,6 +13,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .data import DataConfig
+from .data_schedules import check_start
 from .errors import ConfigError
 from .metrics import LoggerConfig
 from .optim import OptimConfig, SchedulerConfig
@@ -119,7 +120,7 @@ def settings(cfg: DictConfig) -> Settings:
     _finite("model", model)
     for key in ("data", "optim", "scheduler", "trainer", "logger"):
         _finite(key, OmegaConf.to_container(cfg[key], resolve=True))
-    return Settings(
+    s = Settings(
         model=model, impl=impl,
         data=_typed(cfg, "data", DataConfig),
         optim=_typed(cfg, "optim", OptimConfig),
@@ -129,3 +130,27 @@ def settings(cfg: DictConfig) -> Settings:
         name=str(cfg.name), seed=int(cfg.seed), run_dir=str(cfg.run_dir),
         resume=str(cfg.resume), objective=objective,
     )
+    _check_across_groups(s)
+    return s
+
+
+def _check_across_groups(s: Settings) -> None:
+    """Settings of one group that only make sense with those of another (each group's own
+    schema checks the rest)."""
+    sc, tc, data = s.scheduler, s.trainer, s.data
+    if sc.name == "wsd" and tc.budget_hours is not None and sc.decay_steps is not None:
+        raise ConfigError(f"scheduler.decay_steps={sc.decay_steps} counts steps, but "
+                          f"trainer.budget_hours measures the run in time; set "
+                          f"scheduler.decay_fraction (the decay's share of the budget) instead")
+    if sc.name == "wsd" and tc.budget_hours is None:
+        if tc.warmup_steps is None:
+            # warmup_ratio x max_steps would move when a decay branch changes max_steps.
+            raise ConfigError("scheduler=wsd needs trainer.warmup_steps (a step count, so that a "
+                              "decay branched off with another trainer.max_steps warms up the "
+                              "same way)")
+        decay = sc.decay_steps or max(1, round(sc.decay_fraction * tc.max_steps))
+        if tc.warmup_steps + decay > tc.max_steps:
+            raise ConfigError(f"scheduler=wsd: warmup ({tc.warmup_steps} steps) and decay "
+                              f"({decay}) do not fit in trainer.max_steps={tc.max_steps}; "
+                              f"lower scheduler.decay_steps or raise trainer.max_steps")
+    check_start(data.batch_warmup_start, tc.global_batch_size)

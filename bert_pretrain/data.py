@@ -10,7 +10,12 @@ Design, and why:
   So W processes see exactly the micro-batches one process sees with W-times the accumulation,
   and no rank duplicates another.
 - Dynamic masking draws its random numbers from a counter-based hash of (seed, epoch, instance
-  index, position): no RNG state to save, and identical across world sizes and resumes.
+  index, position): no RNG state to save, and identical across world sizes and resumes.  Its
+  rate may follow a schedule over training, and the global batch may grow during a warmup
+  (data_schedules.py): both are pure functions of the step's progress and the data position.
+- Two formats (docs/prepared-format.md): BERT's MLM + NSP pairs (format_version 1) and MLM-only
+  packed sentences (format_version 2, `objective: mlm`), whose batches carry no
+  next_sentence_label and token type 0 throughout.
 """
 
 import dataclasses
@@ -23,12 +28,16 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .data_schedules import LR_SCALINGS, MASK_SCHEDULES, batch_ramp, masking_rate
 from .errors import DataError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSIONS = (1, 2)
+"""1: MLM + NSP pairs (a manifest without `objective`); 2: adds MLM-only data."""
 SHARD_FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions", "masked_labels",
                "next_sentence_labels")
+MLM_ONLY_FILES = ("input_ids", "lengths", "masked_positions", "masked_labels")
+OBJECTIVES = {"mlm_nsp": SHARD_FILES, "mlm": MLM_ONLY_FILES}
 IGNORE_INDEX = -100  # label of positions that are not predicted (torch cross-entropy default)
 
 
@@ -42,7 +51,30 @@ class DataConfig:
     """static: the masks written by bert-prep (as Google BERT); dynamic: re-mask every epoch at
     load time with the same 80/10/10 rules (as RoBERTa), seeded by (seed, epoch, instance)."""
     masked_lm_prob: Optional[float] = None
-    """Dynamic masking only: fraction of tokens to predict; null = the value bert-prep used."""
+    """Dynamic masking only: fraction of tokens to predict; null = the value bert-prep used.
+    With masked_lm_prob_start, the rate the schedule ends at."""
+    masked_lm_prob_start: Optional[float] = None
+    """Dynamic masking only: a masking-rate schedule (mmBERT and others: 30% early, 15% late).
+    The rate starts here and moves to masked_lm_prob along masked_lm_prob_schedule, reached at
+    masked_lm_prob_until of training (steps, or time with trainer.budget_hours); 80/10/10 at
+    every rate. null: one rate throughout."""
+    masked_lm_prob_schedule: str = "linear"
+    """linear, cosine (half a cosine wave), or step (the start rate until
+    masked_lm_prob_until, then the end rate)."""
+    masked_lm_prob_until: float = 1.0
+    """Share of training at which the end rate is reached (and kept from then on)."""
+    batch_warmup_start: Optional[int] = None
+    """Batch-size warmup (Cramming, MosaicBERT, ModernBERT): the global batch starts at this many
+    samples and grows, in steps of this size, to trainer.global_batch_size over
+    batch_warmup_tokens. It must divide trainer.global_batch_size and be divisible by processes
+    x trainer.micro_batch_size. null: the full batch from the first step."""
+    batch_warmup_tokens: int = 0
+    """Length of the batch warmup, in tokens counted as sequence slots (samples x the data's
+    max_seq_length): the batch is a function of the samples consumed, so the data position stays
+    one number and resumes and any number of processes see the same batches."""
+    batch_warmup_lr_scaling: str = "none"
+    """During the batch warmup the learning rate is multiplied by (batch / final batch) ** p:
+    none (p = 0), sqrt (0.5) or linear (1)."""
     train_split: str = "train"
     eval_split: str = "validation"
     pad_to_multiple_of: int = 8
@@ -60,6 +92,45 @@ class DataConfig:
                              f"masked_lm_prob); set data.masking=dynamic or drop it")
         if self.pad_to_multiple_of < 1:
             raise ValueError("data.pad_to_multiple_of must be >= 1")
+        if self.masked_lm_prob_start is not None:
+            if self.masking != "dynamic":
+                raise ValueError(f"data.masked_lm_prob_start={self.masked_lm_prob_start} needs "
+                                 f"data.masking=dynamic (static masks have one rate, drawn by "
+                                 f"bert-prep); set data.masking=dynamic or drop it")
+            if not 0.0 < self.masked_lm_prob_start < 1.0:
+                raise ValueError(f"data.masked_lm_prob_start must be in (0, 1), got "
+                                 f"{self.masked_lm_prob_start}")
+        if self.masked_lm_prob_schedule not in MASK_SCHEDULES:
+            raise ValueError(f"data.masked_lm_prob_schedule must be one of "
+                             f"{', '.join(MASK_SCHEDULES)}, got {self.masked_lm_prob_schedule!r}")
+        if not 0.0 < self.masked_lm_prob_until <= 1.0:
+            raise ValueError(f"data.masked_lm_prob_until must be in (0, 1] (a share of "
+                             f"training), got {self.masked_lm_prob_until}")
+        if self.batch_warmup_start is not None:
+            if self.batch_warmup_start < 1:
+                raise ValueError(f"data.batch_warmup_start must be >= 1 or null, got "
+                                 f"{self.batch_warmup_start}")
+            if self.batch_warmup_tokens < 1:
+                raise ValueError(f"data.batch_warmup_start={self.batch_warmup_start} needs the "
+                                 f"warmup's length: set data.batch_warmup_tokens (e.g. 1000000)")
+        if self.batch_warmup_tokens < 0:
+            raise ValueError(f"data.batch_warmup_tokens must be >= 0, got "
+                             f"{self.batch_warmup_tokens}")
+        if self.batch_warmup_lr_scaling not in LR_SCALINGS:
+            raise ValueError(f"data.batch_warmup_lr_scaling must be one of "
+                             f"{', '.join(LR_SCALINGS)}, got {self.batch_warmup_lr_scaling!r}")
+
+    def masking_rate(self, prep_rate: float, progress: Optional[float]) -> float:
+        """The dynamic masking rate at `progress` (share of training done); `prep_rate` is
+        bert-prep's, the end rate when masked_lm_prob is null."""
+        end = self.masked_lm_prob or prep_rate
+        if self.masked_lm_prob_start is None:
+            return end
+        if progress is None:
+            raise ValueError("data.masked_lm_prob_start schedules the masking rate over "
+                             "training: the trainer must pass each step's progress")
+        return masking_rate(self.masked_lm_prob_start, end, self.masked_lm_prob_schedule,
+                            self.masked_lm_prob_until, progress)
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,13 +140,13 @@ class DataConfig:
 class Split:
     """One split (train / validation): its shards memory-mapped, addressed by a global index."""
 
-    def __init__(self, root: str, name: str, info: dict):
+    def __init__(self, root: str, name: str, info: dict, files: tuple = SHARD_FILES):
         self.name = name
         self.shards = []
         for shard in info["shards"]:
             path = os.path.join(root, shard["path"])
             arrays = {}
-            for key in SHARD_FILES:
+            for key in files:
                 file = os.path.join(path, key + ".npy")
                 if not os.path.isfile(file):
                     raise DataError(
@@ -136,9 +207,15 @@ class PreparedData:
         if m.get("complete") is not True:
             raise DataError(f"{manifest_path} says the data is incomplete (complete != true); "
                             f"let bert-prep finish or run it again")
-        if m.get("format_version") != FORMAT_VERSION:
+        if m.get("format_version") not in FORMAT_VERSIONS:
             raise DataError(f"{manifest_path} has format_version {m.get('format_version')!r}, this "
-                            f"trainer reads {FORMAT_VERSION}; re-run bert-prep with this version")
+                            f"trainer reads {' and '.join(map(str, FORMAT_VERSIONS))}; re-run "
+                            f"bert-prep with this version")
+        self.objective = m.get("objective", "mlm_nsp")
+        if self.objective not in OBJECTIVES:
+            raise DataError(f"{manifest_path} has objective {self.objective!r}, this trainer "
+                            f"reads {' and '.join(OBJECTIVES)}; re-run bert-prep with this "
+                            f"version")
         try:
             self.max_seq_length = int(m["max_seq_length"])
             self.max_predictions = int(m["max_predictions_per_seq"])
@@ -159,11 +236,29 @@ class PreparedData:
             raise DataError(f"split {name!r} is not in {self.root}/{MANIFEST} (it has "
                             f"{sorted(self._splits_info)}); set data.train_split/eval_split")
         if name not in self._split_cache:
-            split = Split(self.root, name, self._splits_info[name])
+            split = Split(self.root, name, self._splits_info[name], OBJECTIVES[self.objective])
             if split.num_instances == 0:
                 raise DataError(f"split {name!r} of {self.root} is empty; prepare more text")
             self._split_cache[name] = split
         return self._split_cache[name]
+
+    @property
+    def has_nsp(self) -> bool:
+        """Whether instances are sentence pairs with NSP labels (False: MLM-only data)."""
+        return self.objective == "mlm_nsp"
+
+    def next_sentence_prediction(self, requested: Optional[bool]) -> bool:
+        """The model's `next_sentence_prediction` for this data: `requested` (model.* setting)
+        or, when null, whether the data has NSP labels.  An NSP head needs NSP labels; an
+        MLM-only model may train on pair data (its NSP labels are left unused)."""
+        if requested is None:
+            return self.has_nsp
+        if requested and not self.has_nsp:
+            raise DataError(f"model.next_sentence_prediction=true but {self.root} is MLM-only "
+                            f"data (bert-prep packing={self.manifest.get('packing')}, no NSP "
+                            f"labels); set model.next_sentence_prediction=null (take it from the "
+                            f"data) or prepare the data with packing=nsp_pairs")
+        return bool(requested)
 
     def vocab(self) -> list:
         """The tokenizer's vocabulary (token strings by id) from tokenizer/vocab.txt."""
@@ -248,13 +343,16 @@ class Masker:
     The cap is bert-prep's max_predictions_per_seq scaled by prob / bert-prep's masked_lm_prob:
     at bert-prep's own rate it is the same budget as the static masks, and a higher rate raises
     it (prep at 128/20 with a fixed cap of 20 would predict 15.9% of tokens at prob 0.4).
+
+    The rate is `masked_lm_prob` unless a call passes its own (a schedule over training): the
+    draws do not depend on it, so a rate is all that differs between two calls' choices.
     """
 
     def __init__(self, data: PreparedData, seed: int, masked_lm_prob: Optional[float]):
         self.seed = seed
-        self.prob = masked_lm_prob or float(data.masking.get("masked_lm_prob", 0.15))
-        prep_prob = float(data.masking.get("masked_lm_prob", 0.15))
-        self.max_predictions = int(np.ceil(data.max_predictions * self.prob / prep_prob - 1e-9))
+        self.prep_prob = float(data.masking.get("masked_lm_prob", 0.15))
+        self.prep_max_predictions = data.max_predictions
+        self.prob = masked_lm_prob or self.prep_prob
         self.mask_id = data.special["mask"]
         vocab = data.vocab()
         self.special = np.array([bool(re.fullmatch(r"\[[^\[\]\s]+\]", t)) for t in vocab])
@@ -263,15 +361,20 @@ class Masker:
         self.continuation = np.array([t.startswith("##") for t in vocab])
         self.random_pool = np.nonzero(~self.special)[0]
 
+    def max_predictions(self, prob: float) -> int:
+        return int(np.ceil(self.prep_max_predictions * prob / self.prep_prob - 1e-9))
+
     def __call__(self, ids: np.ndarray, lengths: np.ndarray, epoch: np.ndarray,
-                 index: np.ndarray):
-        """Returns (masked ids [B, L], labels [B, L] with IGNORE_INDEX where not predicted)."""
+                 index: np.ndarray, prob: Optional[float] = None):
+        """Returns (masked ids [B, L], labels [B, L] with IGNORE_INDEX where not predicted);
+        `prob`: this call's masking rate (default: the masker's)."""
+        prob = self.prob if prob is None else prob
         b, seq = ids.shape
         pos = np.arange(seq)[None, :]
         e, i = epoch[:, None], index[:, None]
         candidate = (pos < lengths[:, None]) & ~self.special[ids]
-        num_predict = np.minimum(self.max_predictions,
-                                 np.maximum(1, np.rint(lengths * self.prob))).astype(np.int64)
+        num_predict = np.minimum(self.max_predictions(prob),
+                                 np.maximum(1, np.rint(lengths * prob))).astype(np.int64)
         num_predict = np.minimum(num_predict, candidate.sum(1))
         decide_at = np.broadcast_to(pos, (b, seq))
         if self.whole_word:
@@ -324,6 +427,8 @@ def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:
     """numpy rows from `Split.gather` -> model inputs (torch, long), cut to the longest row.
 
     `masked`: optional (input_ids, labels) from dynamic masking; otherwise the static masks.
+    MLM-only rows (no segment_a_lengths, no next_sentence_labels) give token type 0 everywhere
+    (one segment, as RoBERTa) and no next_sentence_label.
     """
     lengths = rows["lengths"].astype(np.int64)
     seq = int(lengths.max())
@@ -338,15 +443,21 @@ def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:
         labels[r, mpos[r, c]] = rows["masked_labels"][r, c]
     else:
         ids, labels = masked[0][:, :seq].astype(np.int64), masked[1][:, :seq].astype(np.int64)
-    seg_a = rows["segment_a_lengths"].astype(np.int64)[:, None]
-    return {
+    real = pos < lengths[:, None]
+    if "segment_a_lengths" in rows:
+        types = (pos >= rows["segment_a_lengths"].astype(np.int64)[:, None]) & real
+    else:
+        types = np.zeros(ids.shape, dtype=bool)
+    batch = {
         "input_ids": torch.from_numpy(ids),
-        "attention_mask": torch.from_numpy((pos < lengths[:, None]).astype(np.int64)),
-        "token_type_ids": torch.from_numpy(((pos >= seg_a) & (pos < lengths[:, None]))
-                                           .astype(np.int64)),
+        "attention_mask": torch.from_numpy(real.astype(np.int64)),
+        "token_type_ids": torch.from_numpy(types.astype(np.int64)),
         "labels": torch.from_numpy(labels),
-        "next_sentence_label": torch.from_numpy(rows["next_sentence_labels"].astype(np.int64)),
     }
+    if "next_sentence_labels" in rows:
+        batch["next_sentence_label"] = torch.from_numpy(
+            rows["next_sentence_labels"].astype(np.int64))
+    return batch
 
 
 def unmasked_ids(rows: dict) -> np.ndarray:
@@ -373,16 +484,18 @@ class DataPosition:
 
 
 class TrainStream:
-    """Yields, per optimizer step, this rank's micro-batches of the next global batch."""
+    """Yields, per optimizer step, this rank's micro-batches of the next global batch.
+
+    The global batch is trainer.global_batch_size, or during a batch warmup (data.batch_warmup_*)
+    `ramp.size_at(samples consumed)`: then a step has `size / (world x micro)` micro-batches,
+    a number that grows during the warmup and is the same on every process."""
 
     def __init__(self, data: PreparedData, cfg: DataConfig, seed: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int, rank: int, samples_consumed: int = 0):
-        if global_batch_size % (world_size * micro_batch_size):
-            raise DataError(
-                f"trainer.global_batch_size={global_batch_size} is not divisible by "
-                f"world_size ({world_size}) x trainer.micro_batch_size ({micro_batch_size}); "
-                f"pick sizes so that it divides"
-            )
+        self.ramp = batch_ramp(cfg.batch_warmup_start, cfg.batch_warmup_tokens,
+                               cfg.batch_warmup_lr_scaling, global_batch_size,
+                               data.max_seq_length)
+        self.ramp.check_divisible(world_size, micro_batch_size)
         self.split = data.split(cfg.train_split)
         self.cfg = cfg
         self.seed = seed
@@ -390,6 +503,7 @@ class TrainStream:
         self.micro_batch_size = micro_batch_size
         self.world_size, self.rank = world_size, rank
         self.accumulation_steps = global_batch_size // (world_size * micro_batch_size)
+        """Micro-batches per process of a full-size step (fewer during a batch warmup)."""
         self.position = DataPosition(samples_consumed)
         self.masker = Masker(data, seed, cfg.masked_lm_prob) if cfg.masking == "dynamic" else None
         self._perm_epoch, self._perm = -1, None
@@ -397,6 +511,22 @@ class TrainStream:
     @property
     def epoch(self) -> float:
         return self.position.samples_consumed / self.split.num_instances
+
+    def batch_size(self, samples_consumed: Optional[int] = None) -> int:
+        """The global batch of the step that starts at `samples_consumed` (default: the next)."""
+        at = self.position.samples_consumed if samples_consumed is None else samples_consumed
+        return self.ramp.size_at(at)
+
+    def lr_factor(self, samples_consumed: Optional[int] = None) -> float:
+        """The batch warmup's learning-rate multiplier for that step (1 without a warmup)."""
+        at = self.position.samples_consumed if samples_consumed is None else samples_consumed
+        return self.ramp.lr_factor(at)
+
+    def masking_rate(self, progress: Optional[float] = None) -> Optional[float]:
+        """The dynamic masking rate at `progress`; None with static masks."""
+        if self.masker is None:
+            return None
+        return self.cfg.masking_rate(self.masker.prep_prob, progress)
 
     def _instances(self, start: int, count: int):
         """(epoch, instance index) of global samples start .. start+count-1."""
@@ -411,9 +541,11 @@ class TrainStream:
             index[sel] = self._perm[k[sel] % n]
         return epochs, index
 
-    def micro_batches(self, start: int) -> list:
-        """This rank's micro-batches of the global batch starting at global sample `start`."""
-        per_rank = self.global_batch_size // self.world_size
+    def micro_batches(self, start: int, progress: Optional[float] = None) -> list:
+        """This rank's micro-batches of the global batch starting at global sample `start`;
+        `progress` (share of training done) sets a scheduled masking rate."""
+        per_rank = self.ramp.size_at(start) // self.world_size
+        prob = self.masking_rate(progress)
         epochs, index = self._instances(start + self.rank * per_rank, per_rank)
         out = []
         for j in range(0, per_rank, self.micro_batch_size):
@@ -421,16 +553,20 @@ class TrainStream:
             rows = self.split.gather(idx)
             masked = None
             if self.masker is not None:
-                masked = self.masker(unmasked_ids(rows), rows["lengths"].astype(np.int64), e, idx)
+                masked = self.masker(unmasked_ids(rows), rows["lengths"].astype(np.int64), e, idx,
+                                     prob)
             batch = collate(rows, self.cfg.pad_to_multiple_of, masked)
             batch["num_tokens"] = int(rows["lengths"].astype(np.int64).sum())
             out.append(batch)
         return out
 
-    def next_step(self) -> list:
-        """Micro-batches for the next optimizer step; advances the position by a global batch."""
-        batches = self.micro_batches(self.position.samples_consumed)
-        self.position.samples_consumed += self.global_batch_size
+    def next_step(self, progress: Optional[float] = None) -> list:
+        """Micro-batches for the next optimizer step; advances the position by its global batch.
+        `progress`: the step's share of training (step / max_steps, or elapsed / budget), the
+        same on every process; needed only by a masking-rate schedule."""
+        start = self.position.samples_consumed
+        batches = self.micro_batches(start, progress)
+        self.position.samples_consumed = start + self.ramp.size_at(start)
         return batches
 
 

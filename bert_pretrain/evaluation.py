@@ -1,14 +1,18 @@
-"""Held-out evaluation: token-weighted MLM loss/accuracy and NSP loss/accuracy, summed over every
-process, and the most-frequent-token baseline a model must beat."""
+"""Held-out evaluation: token-weighted MLM loss/accuracy and NSP loss/accuracy (when the data has
+NSP labels and the model an NSP head), summed over every process, and the most-frequent-token
+baseline a model must beat."""
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 
-def model_inputs(batch: dict, device) -> dict:
-    """A collated batch on `device`, without the bookkeeping fields the model does not take."""
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "num_tokens"}
+def model_inputs(batch: dict, device, next_sentence_prediction: bool = True) -> dict:
+    """A collated batch on `device`, without the bookkeeping fields the model does not take.
+    For an MLM-only model (`next_sentence_prediction=False`) the NSP labels of pair data are
+    left out too: it trains and is scored on the masked tokens alone."""
+    skip = ("num_tokens",) if next_sentence_prediction else ("num_tokens", "next_sentence_label")
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in skip}
 
 
 @torch.no_grad()
@@ -28,8 +32,11 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
     was_training = model.training
     model.eval()
     sums = torch.zeros(12, dtype=torch.float64, device=accelerator.device)
+    # An MLM-only model (no NSP head) is scored on the masked tokens of any data; its result
+    # has no eval_nsp_* keys, nor has any model's on MLM-only data (no NSP labels).
+    nsp = getattr(getattr(model, "config", None), "next_sentence_prediction", True)
     for batch in batches:
-        inputs = model_inputs(batch, accelerator.device)
+        inputs = model_inputs(batch, accelerator.device, nsp)
         with (autocast or accelerator.autocast)():
             out = model(**inputs)
         keep = inputs["labels"].reshape(-1) != -100
@@ -42,35 +49,41 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
             logits = out.prediction_logits.reshape(keep.shape[0], -1)[keep]
         right = logits.argmax(-1) == labels
         masked = shown == mask_id if mask_id is not None else torch.zeros_like(right)
-        nsp_logits, nsp_labels = out.seq_relationship_logits, inputs["next_sentence_label"]
-        nsp_labels = nsp_labels.reshape(-1)
-        nsp_right = nsp_logits.argmax(-1) == nsp_labels
-        random_next = nsp_labels == 1
-        sums += torch.stack([
+        sums[:3] += torch.stack([
             F.cross_entropy(logits.float(), labels, reduction="sum").double(),
-            right.sum().double(),
-            torch.tensor(labels.numel(), dtype=torch.float64, device=sums.device),
-            F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum").double(),
-            nsp_right.sum().double(),
-            torch.tensor(nsp_labels.numel(), dtype=torch.float64, device=sums.device),
-            (right & masked).sum().double(), masked.sum().double(),
-            (nsp_right & ~random_next).sum().double(), (~random_next).sum().double(),
-            (nsp_right & random_next).sum().double(), random_next.sum().double(),
-        ])
+            right.sum().double(), right.new_tensor(labels.numel(), dtype=torch.float64)])
+        sums[6:8] += torch.stack([(right & masked).sum().double(), masked.sum().double()])
+        if "next_sentence_label" in inputs:
+            sums[[3, 4, 5, 8, 9, 10, 11]] += _nsp_sums(out.seq_relationship_logits,
+                                                       inputs["next_sentence_label"])
         if progress is not None:
             progress.update(1)
     sums = accelerator.reduce(sums, reduction="sum")
     model.train(was_training)
     mlm_n, nsp_n = max(sums[2].item(), 1.0), max(sums[5].item(), 1.0)
     result = {"eval_mlm_loss": sums[0].item() / mlm_n,
-              "eval_mlm_accuracy": sums[1].item() / mlm_n,
-              "eval_nsp_loss": sums[3].item() / nsp_n,
-              "eval_nsp_accuracy": sums[4].item() / nsp_n,
-              "eval_nsp_accuracy_balanced": 0.5 * (sums[8].item() / max(sums[9].item(), 1.0) +
-                                                   sums[10].item() / max(sums[11].item(), 1.0))}
+              "eval_mlm_accuracy": sums[1].item() / mlm_n}
+    if sums[5].item() > 0:   # some process scored NSP (the sums are global)
+        result.update({
+            "eval_nsp_loss": sums[3].item() / nsp_n,
+            "eval_nsp_accuracy": sums[4].item() / nsp_n,
+            "eval_nsp_accuracy_balanced": 0.5 * (sums[8].item() / max(sums[9].item(), 1.0) +
+                                                 sums[10].item() / max(sums[11].item(), 1.0))})
     if mask_id is not None:
         result["eval_mlm_accuracy_masked"] = sums[6].item() / max(sums[7].item(), 1.0)
     return result
+
+
+def _nsp_sums(nsp_logits: torch.Tensor, nsp_labels: torch.Tensor) -> torch.Tensor:
+    """NSP loss sum, right, count, and right/count on true-next and on random-next pairs."""
+    nsp_labels = nsp_labels.reshape(-1)
+    nsp_right = nsp_logits.argmax(-1) == nsp_labels
+    random_next = nsp_labels == 1
+    return torch.stack([
+        F.cross_entropy(nsp_logits.float(), nsp_labels, reduction="sum").double(),
+        nsp_right.sum().double(), nsp_right.new_tensor(nsp_labels.numel(), dtype=torch.float64),
+        (nsp_right & ~random_next).sum().double(), (~random_next).sum().double(),
+        (nsp_right & random_next).sum().double(), random_next.sum().double()])
 
 
 def majority_baseline(data, split_name: str) -> float:

@@ -126,11 +126,15 @@ def _normalise_keys(tensors: dict) -> dict:
     return out
 
 
-def read_hf_model(path: str, seed: int = 0) -> tuple[dict, dict]:
+def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[bool] = None
+                  ) -> tuple[dict, dict]:
     """(model config dict, state dict) for our `BertForPreTraining` from a transformers BERT
     directory; the state dict loads with `strict=True`. Missing pretraining heads (pooler, MLM
     transform, NSP) are freshly initialised (seeded) with a warning; tensors we do not use
-    (e.g. a fine-tuned classifier) are dropped with a warning."""
+    (e.g. a fine-tuned classifier) are dropped with a warning. `next_sentence_prediction`
+    (None: config.json's, else BERT's true) chooses the model: False gives an MLM-only model
+    (continued pretraining on MLM-only data), whose state dict leaves out a pooler and NSP head
+    the directory may have."""
     from .model import BertConfig, BertForPreTraining
 
     if not os.path.isdir(path):
@@ -139,6 +143,8 @@ def read_hf_model(path: str, seed: int = 0) -> tuple[dict, dict]:
         raise CheckpointError(f"{path} is not a transformers model directory (config.json + "
                               f"model.safetensors or pytorch_model.bin)")
     config = read_hf_config(path)
+    if next_sentence_prediction is not None:
+        config["next_sentence_prediction"] = next_sentence_prediction
     tensors = _normalise_keys(_read_weights(path))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

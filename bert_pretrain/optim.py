@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import torch
 
-SCHEDULES = ("linear", "polynomial", "cosine", "constant")
+SCHEDULES = ("linear", "polynomial", "cosine", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
 
 @dataclass
@@ -47,7 +48,8 @@ class SchedulerConfig:
     name: str = "linear"
     """linear: decay linearly to end_lr_ratio; polynomial: (1 - progress) ** power (NVIDIA's
     BERT recipe uses power 0.5); cosine: half a cosine wave down to end_lr_ratio; constant:
-    flat after warmup."""
+    flat after warmup; wsd: warmup-stable-decay (ModernBERT, NeoBERT): flat at the peak, then a
+    decay of decay_shape over the last decay_steps steps (or decay_fraction of training)."""
     power: float = 1.0
     end_lr_ratio: float = 0.0
     """The learning rate at the end of training, as a fraction of optim.lr."""
@@ -59,6 +61,16 @@ class SchedulerConfig:
     starts at the peak (Google's BERT, transformers); start: step / max_steps over all steps, as
     NVIDIA's PolyWarmUpScheduler, so right after warmup the rate is already
     (1 - warmup / max_steps) ** power of the peak (0.846x for 2,000 of 7,038 steps)."""
+    decay_steps: Optional[int] = None
+    """wsd: the decay occupies the last decay_steps steps of trainer.max_steps. Counted from the
+    end, so decaying a run from any checkpoint S of its stable phase is resuming that checkpoint
+    into a new run_dir with trainer.max_steps=S+decay_steps (README, "Warmup-stable-decay").
+    null: decay_fraction of the steps (and, with trainer.budget_hours, of the time)."""
+    decay_fraction: float = 0.2
+    """wsd without decay_steps: the decay's share of training, at the end."""
+    decay_shape: str = "1-sqrt"
+    """wsd: linear, cosine (half a cosine wave) or 1-sqrt (1 - sqrt(progress): Hägele et al.
+    2024), from the peak down to end_lr_ratio."""
 
     def __post_init__(self) -> None:
         if self.decay_from not in ("warmup_end", "start"):
@@ -74,6 +86,21 @@ class SchedulerConfig:
         if not 0.0 <= self.hold_fraction < 1.0:
             raise ValueError(f"scheduler.hold_fraction must be in [0, 1), got "
                              f"{self.hold_fraction}")
+        if self.decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"scheduler.decay_shape must be one of {', '.join(DECAY_SHAPES)}, "
+                             f"got {self.decay_shape!r}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"scheduler.decay_steps must be >= 1 or null, got "
+                             f"{self.decay_steps}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"scheduler.decay_fraction must be in (0, 1], got "
+                             f"{self.decay_fraction}")
+        if self.name != "wsd" and self.decay_steps is not None:
+            raise ValueError(f"scheduler.decay_steps is for scheduler=wsd (this is "
+                             f"{self.name}); choose scheduler=wsd or drop it")
+        if self.name == "wsd" and (self.hold_fraction or self.decay_from != "warmup_end"):
+            raise ValueError("scheduler=wsd places its decay with decay_steps / decay_fraction; "
+                             "drop scheduler.hold_fraction and scheduler.decay_from")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,19 +200,25 @@ def build_optimizer(cfg: OptimConfig, named_params) -> torch.optim.Optimizer:
 # Schedules
 
 
+def _remaining(shape: str, q: float, power: float) -> float:
+    """Share of the decay still ahead at decay progress q in [0, 1] (1 -> 0)."""
+    if shape == "linear":
+        return 1.0 - q
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * q))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(q)
+    return (1.0 - q) ** power
+
+
 def schedule_shape(cfg: SchedulerConfig, progress: float) -> float:
     """LR factor after warmup, for decay progress in [0, 1]."""
     q = min(max(progress, 0.0), 1.0)
     if cfg.name == "constant" or q <= cfg.hold_fraction:
         return 1.0
     q = (q - cfg.hold_fraction) / (1.0 - cfg.hold_fraction)
-    if cfg.name == "linear":
-        remaining = 1.0 - q
-    elif cfg.name == "cosine":
-        remaining = 0.5 * (1.0 + math.cos(math.pi * q))
-    else:
-        remaining = (1.0 - q) ** cfg.power
-    return cfg.end_lr_ratio + (1.0 - cfg.end_lr_ratio) * remaining
+    shape = cfg.decay_shape if cfg.name == "wsd" else cfg.name
+    return cfg.end_lr_ratio + (1.0 - cfg.end_lr_ratio) * _remaining(shape, q, cfg.power)
 
 
 class Schedule:
@@ -198,6 +231,12 @@ class Schedule:
     i.e. in budget mode the curve follows wall-clock time, so a slower machine still ends at the
     end of its schedule when the budget runs out (Cramming).  With `decay_from: start` the
     progress counts from step 0 / time 0 instead: s / max_steps, elapsed / budget (NVIDIA).
+
+    wsd: the peak until the decay, which takes the last N = decay_steps steps (or
+    decay_fraction of max_steps): progress (s - (max_steps - N)) / N; in budget mode the last
+    decay_fraction of the budget: (elapsed / budget - (1 - decay_fraction)) / decay_fraction.
+    A run with max_steps = S + N and one with a larger max_steps have the same rate at every
+    step before S: a decay branched off at checkpoint S continues the stable phase exactly.
     """
 
     def __init__(self, cfg: SchedulerConfig, max_steps: int, warmup_steps: int,
@@ -208,9 +247,23 @@ class Schedule:
         self.budget_seconds = budget_seconds
         self.warmup_end_elapsed: Optional[float] = 0.0 if warmup_steps == 0 else None
 
+    def decay_steps(self) -> int:
+        """wsd in step mode: the steps the decay takes (the last ones of max_steps)."""
+        if self.cfg.decay_steps is not None:
+            return self.cfg.decay_steps
+        return max(1, round(self.cfg.decay_fraction * self.max_steps))
+
     def factor(self, step: int, elapsed: float = 0.0) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
+        if self.cfg.name == "wsd":
+            if self.budget_seconds is None:
+                n = self.decay_steps()
+                progress = (step - (self.max_steps - n)) / n
+            else:
+                f = self.cfg.decay_fraction
+                progress = (elapsed / self.budget_seconds - (1.0 - f)) / f
+            return schedule_shape(self.cfg, progress)
         if self.cfg.decay_from == "start":
             if self.budget_seconds is None:
                 return schedule_shape(self.cfg, step / max(self.max_steps, 1))

@@ -73,6 +73,10 @@ class Predictor:
         """{"a", "b", "is_next_probability"}"""
         import torch
 
+        if not self.model.config.next_sentence_prediction:
+            raise UserError(f"{self.loaded.source} was trained without next-sentence prediction "
+                            f"(MLM only: no NSP head); use fill-mask, or a model trained on "
+                            f"bert-prep packing=nsp_pairs data")
         _, ids, types = self._encode(a, b)
         with torch.no_grad():
             out = self.model(ids, attention_mask=torch.ones_like(ids), token_type_ids=types)

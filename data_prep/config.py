@@ -18,6 +18,7 @@ from typing import Any, Optional
 from data_prep.errors import PrepError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+PACKINGS = ("nsp_pairs", "full_sentences", "doc_sentences")
 # Upper bounds that keep a typo from starting work that cannot finish: 1000 copies of every
 # shard, or a process per CPU of a very large machine, is far beyond any real use.
 MAX_DUPE_FACTOR = 1000
@@ -168,6 +169,12 @@ class PrepConfig:
     output_dir: Optional[str] = None
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # --- settings that change the output -------------------------------------------------------
+    # What an instance is. nsp_pairs: BERT's `[CLS] A [SEP] B [SEP]` with a next-sentence label.
+    # MLM only, no NSP label (RoBERTa): full_sentences packs whole sentences up to
+    # max_seq_length, running on into the next document with a [SEP] between documents
+    # (RoBERTa's FULL-SENTENCES); doc_sentences stops at the end of each document
+    # (DOC-SENTENCES: shorter instances at document ends).
+    packing: str = "nsp_pairs"
     seed: int = 12345
     max_seq_length: int = 128
     max_predictions_per_seq: int = 20
@@ -192,6 +199,10 @@ class PrepConfig:
     def __post_init__(self):
         if not self.output_dir:
             raise PrepError("output_dir is not set: pass output_dir=prepared/<name>")
+        if self.packing not in PACKINGS:
+            raise PrepError(f"packing={self.packing!r} is not one of {', '.join(PACKINGS)} "
+                            "(nsp_pairs: BERT's MLM + NSP pairs; full_sentences, doc_sentences: "
+                            "MLM only, as RoBERTa)")
         if not 0 <= self.seed < 2 ** 63:
             raise PrepError(f"seed={self.seed} must be in [0, 2**63)")
         L = self.max_seq_length
@@ -254,11 +265,22 @@ class PrepConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def next_sentence_prediction(self) -> bool:
+        return self.packing == "nsp_pairs"
+
     def result_dict(self) -> dict:
         """The settings that determine the output (what a resumed run must agree on)."""
         d = self.to_dict()
         for k in self.SPEED_ONLY + ("output_dir",):
             d.pop(k)
+        if self.next_sentence_prediction:
+            # Left out at its default, so that a prep begun before packing existed keeps its key
+            # (a re-run resumes it, or finds it complete).
+            d.pop("packing")
+        else:   # NSP-only settings do not change packed output
+            d.pop("short_seq_prob")
+            d.pop("random_next_prob")
         return d
 
 

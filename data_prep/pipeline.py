@@ -1,5 +1,8 @@
 """The prep pipeline, top to bottom: tokenizer -> tokenized corpus -> plan -> shards -> manifest.
 
+Shards hold BERT's NSP pairs (instances.py) or, with `packing` full_sentences / doc_sentences,
+MLM-only packed sentences (packing.py); both are masked the same way (masking.py).
+
 `run(PrepConfig)` is what `bert-prep` calls (tests and benchmarks call it directly).  Every step
 leaves a complete result under a final name or nothing, so re-running the same command after a
 crash resumes: the saved tokenizer, the tokenized corpus and every finished shard are reused,
@@ -27,6 +30,7 @@ from data_prep.config import PrepConfig
 from data_prep.errors import PrepError, PrepIOError, os_error
 from data_prep.instances import create_instances
 from data_prep.masking import MaskingTables, assemble, mask_rows
+from data_prep.packing import assemble_packed, pack_unit
 from data_prep.plan import SPLIT_IDS, SPLITS, SplitPlan, make_plan
 from data_prep.shards import (add_stats, is_done, read_stats, remove_crash_leftovers,
                               remove_stale_tmp, shard_path, shard_stats, stats_table, summarize,
@@ -35,7 +39,10 @@ from data_prep.token_store import TokenStore, is_complete, read_blocks, tokenize
 from data_prep.tokenizer import prepare_tokenizer, vocab_shortfall
 from data_prep.workers import init_worker_process
 
-FORMAT_VERSION = 1
+# The oldest reader that understands the output: MLM + NSP pairs are unchanged since version 1
+# (so readers of version 1 still read them); MLM-only packed data needs a version-2 reader, and
+# an older one refuses it by its version instead of failing on the NSP files it lacks.
+FORMAT_VERSION = {"nsp_pairs": 1, "full_sentences": 2, "doc_sentences": 2}
 
 
 # A word (a run between spaces and ASCII punctuation) longer than WordPiece's 100-character
@@ -151,24 +158,41 @@ def _build_shard_from(task, store: TokenStore, plan: SplitPlan) -> tuple[str, in
     unit, dupe = plan.shard(index)
     rng = np.random.default_rng(np.random.SeedSequence(
         [p["seed"], SPLIT_IDS[split], unit, dupe]))
+    if p["packing"] == "nsp_pairs":
+        arrays, lengths, extra = _nsp_pairs(store, plan, unit, p, rng)
+    else:
+        arrays, lengths, extra = _packed(store, plan, unit, p)
+    positions, labels, counts = mask_rows(arrays["input_ids"], lengths, p["masked_lm_prob"],
+                                          p["max_predictions_per_seq"], p["whole_word_mask"],
+                                          _W["tables"], rng)
+    dtype = _W["token_dtype"]
+    arrays.update(input_ids=arrays["input_ids"].astype(dtype),
+                  lengths=lengths.astype(np.uint16),
+                  masked_positions=positions.astype(np.uint16),
+                  masked_labels=labels.astype(dtype))
+    stats = shard_stats(lengths, {**extra, **counts}, p["max_seq_length"], _W["fingerprint"])
+    write_shard(shard_path(_W["out"], split, index), index, arrays, stats)
+    return split, index, stats
+
+
+def _nsp_pairs(store: TokenStore, plan: SplitPlan, unit: int, p: dict, rng):
+    """BERT's instances: (arrays, lengths, NSP counts for the stats)."""
     seg = create_instances(np.asarray(plan.unit_pieces(unit)), store.sent_off, store.doc_off,
                            plan.docs, p["max_seq_length"], p["short_seq_prob"],
                            p["random_next_prob"], rng)
     ids = assemble(*_gather_tokens(store.tokens, seg), p["max_seq_length"], _W["tables"])
-    lengths = seg.a_len + seg.b_len + 3
-    positions, labels, counts = mask_rows(ids, lengths, p["masked_lm_prob"],
-                                          p["max_predictions_per_seq"], p["whole_word_mask"],
-                                          _W["tables"], rng)
-    dtype = _W["token_dtype"]
-    arrays = {"input_ids": ids.astype(dtype), "lengths": lengths.astype(np.uint16),
-              "segment_a_lengths": (seg.a_len + 2).astype(np.uint16),
-              "masked_positions": positions.astype(np.uint16),
-              "masked_labels": labels.astype(dtype),
+    arrays = {"input_ids": ids, "segment_a_lengths": (seg.a_len + 2).astype(np.uint16),
               "next_sentence_labels": seg.is_random_next.astype(np.uint8)}
-    stats = shard_stats(lengths, seg.is_random_next, counts, p["max_seq_length"],
-                        _W["fingerprint"])
-    write_shard(shard_path(_W["out"], split, index), index, arrays, stats)
-    return split, index, stats
+    return arrays, seg.a_len + seg.b_len + 3, {"num_random_next": int(seg.is_random_next.sum())}
+
+
+def _packed(store: TokenStore, plan: SplitPlan, unit: int, p: dict):
+    """MLM-only instances (packing.py): (arrays, lengths, packing counts for the stats)."""
+    packed = pack_unit(plan.unit_pieces(unit), store.sent_off, p["max_seq_length"],
+                       cross_documents=p["packing"] == "full_sentences")
+    buf, pos = read_blocks(store.tokens, packed.run_start, packed.run_len)
+    ids = assemble_packed(buf, pos, packed, p["max_seq_length"], _W["tables"])
+    return {"input_ids": ids}, packed.lengths(), {"num_doc_boundaries": packed.doc_boundaries()}
 
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
@@ -294,7 +318,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     plan_dir = os.path.join(work, "plan")
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
-                          cfg.dupe_factor, cfg.seed)
+                          cfg.dupe_factor, cfg.seed, cfg.next_sentence_prediction)
         tmp = plan_dir + tmp_suffix()
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -326,9 +350,10 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
                            np.flatnonzero(~special).astype(np.int32),
                            tok.special_ids["pad"], tok.special_ids["cls"],
                            tok.special_ids["sep"], tok.special_ids["mask"])
-    params = {k: getattr(cfg, k) for k in ("seed", "max_seq_length", "short_seq_prob",
-                                           "random_next_prob", "masked_lm_prob",
-                                           "max_predictions_per_seq", "whole_word_mask")}
+    params = {k: getattr(cfg, k) for k in ("packing", "seed", "max_seq_length",
+                                           "short_seq_prob", "random_next_prob",
+                                           "masked_lm_prob", "max_predictions_per_seq",
+                                           "whole_word_mask")}
     ctx = {"tokens_dir": tokens_dir, "plan_dir": plan_dir, "dupes": dupes, "params": params,
            "tables": tables, "token_dtype": tok.token_dtype, "fingerprint": fingerprint,
            "out": out}
@@ -350,6 +375,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
 def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> dict:
     # Shard statistics are added up as they are read: memory stays flat however many shards.
     splits, per_split, everything = {}, {}, []
+    packed = not cfg.next_sentence_prediction
     for s in SPLITS:
         shards, split_total = [], []
         for i in range(plans[s].num_shards):
@@ -361,13 +387,17 @@ def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> 
             add_stats(everything, st)
             if st["num_instances"]:
                 shards.append({"path": f"{s}/shard-{i:05d}", "num_instances": st["num_instances"]})
-        per_split[s] = summarize(split_total, cfg.max_seq_length)
+        per_split[s] = summarize(split_total, cfg.max_seq_length, packed)
         splits[s] = {"num_instances": per_split[s]["num_instances"], "shards": shards,
                      "num_documents": int(len(plans[s].docs)), "stats": per_split[s]}
-    stats = summarize(everything, cfg.max_seq_length)
+    stats = summarize(everything, cfg.max_seq_length, packed)
     manifest = {
-        "format_version": FORMAT_VERSION, "complete": True, "key": key,
+        "format_version": FORMAT_VERSION[cfg.packing], "complete": True, "key": key,
         "fingerprint": fingerprint,
+        # What the data trains: "mlm_nsp" (pairs with NSP labels) or "mlm" (no NSP label, no
+        # second segment); a manifest without the key is an "mlm_nsp" one.
+        "objective": "mlm_nsp" if cfg.next_sentence_prediction else "mlm",
+        "packing": cfg.packing,
         "max_seq_length": cfg.max_seq_length,
         "max_predictions_per_seq": cfg.max_predictions_per_seq,
         "vocab_size": tok.vocab_size, "token_dtype": tok.token_dtype,

@@ -8,9 +8,9 @@ resumed run skips finished shards one by one.
 
 Validation documents are drawn by a seeded permutation of whole documents, until they hold
 `validation_fraction` of the tokens, and at least two of them (a random-next segment for a
-validation instance comes from another *validation* document).  A corpus of few large
-documents therefore gives a larger validation share than asked (two Gutenberg books of 13
-are ~15%); split such books into chapters, or set validation_fraction=0.
+validation instance comes from another *validation* document; MLM-only data needs one).  A
+corpus of few large documents therefore gives a larger validation share than asked (two
+Gutenberg books of 13 are ~15%); split such books into chapters, or set validation_fraction=0.
 """
 from __future__ import annotations
 
@@ -63,21 +63,27 @@ class SplitPlan:
         return cls(name, *arrs, dupe_factor=dupe_factor)
 
 
-def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int,
+                           next_sentence_prediction: bool = True) -> np.ndarray:
+    """Held-out documents; with NSP each split needs two (a random-next segment comes from
+    another document of the same split), MLM-only packed data needs one."""
     n = len(doc_tokens)
-    if n < 2:
+    if n < 2 and next_sentence_prediction:
         raise PrepError(f"the corpus has {n} document: next-sentence prediction needs a random "
                         "other document; give more documents (blank lines separate them)")
     if fraction == 0:
         return np.zeros(0, np.int64)
-    if n < 4:
-        raise PrepError(f"the corpus has {n} documents: a validation split needs 2 held-out "
-                        "documents and training 2 more; add documents or set "
+    least = 2 if next_sentence_prediction else 1
+    if n < 2 * least:
+        def docs(k: int) -> str:
+            return f"{k} document{'s' if k != 1 else ''}"
+        raise PrepError(f"the corpus has {docs(n)}: a validation split needs {docs(least)} "
+                        f"held out and training {least} more; add documents or set "
                         "validation_fraction=0")
     order = np.random.default_rng(np.random.SeedSequence([seed, 7919])).permutation(n)
     cum = np.cumsum(doc_tokens[order])
     k = int(np.searchsorted(cum, fraction * cum[-1], side="left")) + 1
-    k = min(max(k, 2), n - 2)
+    k = min(max(k, least), n - least)
     return np.sort(order[:k])
 
 
@@ -116,9 +122,10 @@ def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tupl
 
 
 def make_plan(store: TokenStore, validation_fraction: float, tokens_per_shard: int,
-              dupe_factor: int, seed: int) -> dict[str, SplitPlan]:
+              dupe_factor: int, seed: int, next_sentence_prediction: bool = True
+              ) -> dict[str, SplitPlan]:
     doc_tokens = store.doc_num_tokens()
-    val = choose_validation_docs(doc_tokens, validation_fraction, seed)
+    val = choose_validation_docs(doc_tokens, validation_fraction, seed, next_sentence_prediction)
     is_val = np.zeros(store.num_documents, bool)
     is_val[val] = True
     plans = {}

@@ -20,6 +20,8 @@ from data_prep.errors import os_error
 
 SHARD_FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions",
                "masked_labels", "next_sentence_labels")
+# MLM-only (packed) shards: one segment, no NSP label.
+PACKED_FILES = ("input_ids", "lengths", "masked_positions", "masked_labels")
 
 
 def shard_name(index: int) -> str:
@@ -68,7 +70,8 @@ def write_shard(path: str, index: int, arrays: dict, stats: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         for name in SHARD_FILES:
-            np.save(os.path.join(tmp, name + ".npy"), arrays[name])
+            if name in arrays:
+                np.save(os.path.join(tmp, name + ".npy"), arrays[name])
         with open(os.path.join(tmp, "stats.json"), "w") as f:
             json.dump(stats, f)
     except OSError as e:
@@ -123,11 +126,11 @@ def read_stats(path: str) -> dict:
         return json.load(f)
 
 
-def shard_stats(lengths: np.ndarray, is_random: np.ndarray, counts: dict, max_seq_length: int,
-                fingerprint: str) -> dict:
+def shard_stats(lengths: np.ndarray, counts: dict, max_seq_length: int, fingerprint: str) -> dict:
+    """`counts`: the masking counts, and num_random_next (NSP pairs) or num_doc_boundaries
+    (packed instances)."""
     return {"fingerprint": fingerprint, "num_instances": int(len(lengths)),
-            "num_tokens": int(lengths.sum()), "num_random_next": int(is_random.sum()),
-            **counts,
+            "num_tokens": int(lengths.sum()), **counts,
             "length_hist": np.bincount(lengths, minlength=max_seq_length + 1).tolist()}
 
 
@@ -145,8 +148,8 @@ def add_stats(total: list, part: dict) -> None:
     t["length_hist"] = t["length_hist"] + hist
 
 
-def summarize(parts: list[dict], max_seq_length: int) -> dict:
-    """The manifest's `stats` object from per-shard counts."""
+def summarize(parts: list[dict], max_seq_length: int, packed: bool = False) -> dict:
+    """The manifest's `stats` object from per-shard counts (`packed`: MLM-only instances)."""
     def total(key):
         return sum(p[key] for p in parts)
     n = total("num_instances")
@@ -158,17 +161,22 @@ def summarize(parts: list[dict], max_seq_length: int) -> dict:
     def frac(a, b):
         return round(a / b, 6) if b else 0.0
     p50 = int(np.searchsorted(np.cumsum(hist), (n + 1) // 2)) if n else 0
-    return {"num_instances": n,
-            "num_tokens": total("num_tokens"),
-            "num_predicted": predicted,
-            "masked_fraction": frac(predicted, total("num_tokens")),
-            "mask_token_fraction": frac(total("mask"), predicted),
-            "random_token_fraction": frac(total("random"), predicted),
-            "kept_fraction": frac(total("kept"), predicted),
-            "nsp_random_fraction": frac(total("num_random_next"), n),
-            "mean_seq_length": frac(total("num_tokens"), n),
-            "p50_seq_length": p50,
-            "fraction_at_max_length": frac(int(hist[max_seq_length]), n)}
+    stats = {"num_instances": n,
+             "num_tokens": total("num_tokens"),
+             "num_predicted": predicted,
+             "masked_fraction": frac(predicted, total("num_tokens")),
+             "mask_token_fraction": frac(total("mask"), predicted),
+             "random_token_fraction": frac(total("random"), predicted),
+             "kept_fraction": frac(total("kept"), predicted)}
+    # Packed (MLM-only) shards count the documents an instance spans instead of NSP labels.
+    if packed:
+        stats["documents_per_instance"] = frac(n + total("num_doc_boundaries"), n)
+    else:
+        stats["nsp_random_fraction"] = frac(total("num_random_next"), n)
+    stats.update({"mean_seq_length": frac(total("num_tokens"), n),
+                  "p50_seq_length": p50,
+                  "fraction_at_max_length": frac(int(hist[max_seq_length]), n)})
+    return stats
 
 
 def write_json_atomic(path: str, obj: dict) -> None:
@@ -193,6 +201,7 @@ STAT_ROWS = [("instances", "num_instances", "{:,}"), ("tokens", "num_tokens", "{
              ("  random token", "random_token_fraction", "{:.2%}"),
              ("  kept", "kept_fraction", "{:.2%}"),
              ("NSP random-next", "nsp_random_fraction", "{:.2%}"),
+             ("documents / instance", "documents_per_instance", "{:.2f}"),
              ("mean length", "mean_seq_length", "{:.1f}"),
              ("median length", "p50_seq_length", "{}"),
              ("at max length", "fraction_at_max_length", "{:.2%}")]
@@ -203,6 +212,8 @@ def stats_table(columns: dict[str, dict]) -> str:
     width = max(len(r[0]) for r in STAT_ROWS)
     lines = [" " * width + "".join(f"{n:>14}" for n in names)]
     for label, key, fmt in STAT_ROWS:
+        if not any(key in columns[n] for n in names):
+            continue   # a row of the other format (NSP pairs / packed)
         lines.append(f"{label:<{width}}" + "".join(
             f"{fmt.format(columns[n].get(key, 0)):>14}" for n in names))
     return "\n".join(lines)

@@ -8,6 +8,7 @@ import numpy as np
 
 FILES = ("input_ids", "lengths", "segment_a_lengths", "masked_positions", "masked_labels",
          "next_sentence_labels")
+PACKED_FILES = ("input_ids", "lengths", "masked_positions", "masked_labels")   # MLM-only data
 
 
 def load_manifest(out) -> dict:
@@ -15,11 +16,13 @@ def load_manifest(out) -> dict:
         return json.load(f)
 
 
-def load_split(out, split="train") -> dict:
+def load_split(out, split="train", files=FILES, shards=None) -> dict:
+    """The split's arrays, shards in manifest order (`shards`: a slice of them)."""
     m = load_manifest(out)
-    parts = [{f: np.load(os.path.join(out, s["path"], f + ".npy")) for f in FILES}
-             for s in m["splits"][split]["shards"]]
-    return {f: np.concatenate([p[f] for p in parts]) for f in FILES}
+    listed = m["splits"][split]["shards"][shards or slice(None)]
+    parts = [{f: np.load(os.path.join(out, s["path"], f + ".npy")) for f in files}
+             for s in listed]
+    return {f: np.concatenate([p[f] for p in parts]) for f in files}
 
 
 def unmasked(a: dict) -> np.ndarray:

@@ -33,7 +33,7 @@ def test_every_group_has_the_documented_options():
     assert {"bert_tiny", "bert_mini", "bert_small", "bert_medium", "bert_base",
             "bert_large"} <= set(options("model"))
     assert options("optim") == ["adamw", "lamb"]
-    assert options("scheduler") == ["constant", "cosine", "linear", "polynomial"]
+    assert options("scheduler") == ["constant", "cosine", "linear", "polynomial", "wsd"]
     assert options("logger") == ["none", "wandb"]
     assert {"demo", "bert_base_phase1", "bert_base_phase2", "gutenberg_mini", "budget_mini",
             "smoke"} <= set(options("experiment"))
@@ -66,6 +66,8 @@ def test_small_models_train_as_configured(model, prepared, tmp_path):
 def test_group_options_train(group, option, prepared, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     extra = ["logger.mode=disabled"] if (group, option) == ("logger", "wandb") else []
+    if (group, option) == ("scheduler", "wsd"):
+        extra = ["scheduler.decay_steps=2"]    # 3 steps: warmup 1, stable 0, decay 2
     loss = train_in_process(["experiment=smoke", f"{group}={option}", f"data.dir={prepared}",
                              f"run_dir={tmp_path}", *SHRINK, *FAST, *extra])
     assert loss == loss and loss > 0  # finite
@@ -81,7 +83,7 @@ def test_experiments_train_in_sequence(prepared, tmp_path):
     """Every experiment runs (shrunken, a few steps); phase 2 starts from phase 1's checkpoint."""
     runs = {}
     for name in options("experiment"):
-        if name == "bert_base_phase2":
+        if name in ("bert_base_phase2", "modern_mini"):   # modern_mini: its own test below
             continue
         run = str(tmp_path / name)
         overrides = [f"experiment={name}", f"data.dir={prepared}", f"run_dir={run}", *SHRINK,
@@ -111,3 +113,29 @@ def test_experiments_train_in_sequence(prepared, tmp_path):
 def test_large_model_options_take_a_step(model, prepared, tmp_path):
     assert train_in_process([f"model={model}", f"data.dir={prepared}", f"run_dir={tmp_path}",
                              *FAST, "trainer.max_steps=2"]) > 0
+
+
+def test_recipe_experiment_composes_each_switch(prepared):
+    s = settings(compose(["experiment=modern_mini"]))
+    assert s.data.dir == "prepared/gutenberg128_full"      # bert-prep packing=full_sentences
+    assert (s.data.masking, s.data.masked_lm_prob_start, s.data.masked_lm_prob) == \
+        ("dynamic", 0.3, 0.15)
+    assert (s.data.batch_warmup_start, s.trainer.micro_batch_size) == (8, 8)
+    assert (s.scheduler.name, s.scheduler.decay_shape, s.scheduler.decay_fraction) == \
+        ("wsd", "1-sqrt", 0.2)
+    budget = settings(compose(["experiment=budget_mini"]))   # the rest is budget_mini's
+    assert (s.trainer.budget_hours, s.trainer.attention_locality, s.optim.lr, s.model) == \
+        (budget.trainer.budget_hours, budget.trainer.attention_locality, budget.optim.lr,
+         budget.model)
+    assert s.objective == "eval_mlm_loss"
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="issue 26: the trainer does not pass each step's progress to "
+                          "TrainStream.next_step yet (masking-rate schedule); remove this mark "
+                          "once it does")
+def test_recipe_experiment_trains(prepared, tmp_path):
+    assert train_in_process(["experiment=modern_mini", f"data.dir={prepared}",
+                             f"run_dir={tmp_path}", *SHRINK, *FAST,
+                             "trainer.budget_hours=0.0003", "trainer.max_steps=100000",
+                             "data.batch_warmup_start=2", "data.batch_warmup_tokens=256"]) > 0

@@ -33,6 +33,7 @@ class PreTrainingOutput:
     mlm_labels: torch.Tensor | None = None
     """[M] labels of the sparse logits rows; None when the logits are dense."""
     seq_relationship_logits: torch.Tensor | None = None
+    """[B, 2]; None for an MLM-only model (`next_sentence_prediction=False`)."""
     hidden_states: tuple[torch.Tensor, ...] | None = None
     """Embedding output + each layer's output, [B, L, H] each (zeros at padding if unpadded)."""
     attentions: tuple[torch.Tensor, ...] | None = None
@@ -62,7 +63,8 @@ def init_bert_weights(module: nn.Module, std: float) -> None:
 class EncoderOutput:
     sequence_output: torch.Tensor
     """[B, L, H] on the padded grid, [N, H] when `layout.unpadded`, or [R, H] for `rows`."""
-    pooled_output: torch.Tensor
+    pooled_output: torch.Tensor | None
+    """[B, H]; None for an MLM-only model (no pooler)."""
     layout: TokenLayout
     rows: torch.Tensor | None = None
     """[R] indices into the layout's token order of the rows in `sequence_output` (when `keep`
@@ -78,7 +80,9 @@ class BertModel(nn.Module):
         self.impl = impl or ModelImpl()
         self.embeddings = BertEmbeddings(config, self.impl)
         self.encoder = BertEncoder(config, self.impl)
-        self.pooler = BertPooler(config)
+        # The pooler exists for the NSP head only: an MLM-only model has none (as transformers'
+        # BertForMaskedLM), so no parameter sits outside what its loss reaches.
+        self.pooler = BertPooler(config) if config.next_sentence_prediction else None
 
     def forward(self, input_ids, attention_mask=None, token_type_ids=None,
                 output_attentions=False, output_hidden_states=False,
@@ -94,7 +98,7 @@ class BertModel(nn.Module):
         x = self.embeddings(input_ids, token_type_ids, layout)
         x, hidden_states, attentions = self.encoder(x, layout, output_attentions,
                                                     output_hidden_states, subset)
-        pooled = self.pooler(x, layout, subset)
+        pooled = None if self.pooler is None else self.pooler(x, layout, subset)
         if hidden_states is not None:
             hidden_states = tuple(layout.to_grid(h) for h in hidden_states)
         if attentions is not None:
@@ -104,6 +108,9 @@ class BertModel(nn.Module):
 
 
 class BertForPreTraining(nn.Module):
+    """BERT with its pretraining heads; with `config.next_sentence_prediction=False` the MLM
+    head alone (the state dict of transformers' BertForMaskedLM)."""
+
     def __init__(self, config: BertConfig, impl: ModelImpl | None = None):
         super().__init__()
         self.config = config
@@ -154,7 +161,9 @@ class BertForPreTraining(nn.Module):
                 output_hidden_states: bool = False,
                 loss_reduction: str = "mean") -> PreTrainingOutput:
         """`loss_reduction="sum"` returns summed token / sequence losses, so that a trainer can
-        normalise by the counts of a whole global batch rather than of this micro-batch."""
+        normalise by the counts of a whole global batch rather than of this micro-batch.
+        Without `next_sentence_label` there is no NSP loss (`nsp_loss` is None); an MLM-only
+        model refuses one."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         sparse = self.impl.sparse_prediction and labels is not None
@@ -177,8 +186,12 @@ class BertForPreTraining(nn.Module):
             logits = heads.predictions(seq.reshape(-1, seq.shape[-1]).index_select(0, rows))
         else:
             logits = heads.predictions(layout.to_grid(seq))
-        pooled = enc.pooled_output
-        nsp_logits = heads.seq_relationship(pooled)
+        nsp_logits = None
+        if heads.seq_relationship is not None:
+            nsp_logits = heads.seq_relationship(enc.pooled_output)
+        elif next_sentence_label is not None:
+            raise ValueError("this model has no NSP head (model.next_sentence_prediction=false): "
+                             "pass no next_sentence_label")
 
         mlm_loss = nsp_loss = loss = None
         if labels is not None:

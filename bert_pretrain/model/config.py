@@ -62,6 +62,12 @@ class BertConfig:
     pre_layer_norm: bool = False
     """False: post-LN, as BERT. True: LayerNorm before attention and FFN, plus a final LayerNorm
     (`bert.encoder.LayerNorm`); more stable at high learning rates, no transformers equivalent."""
+    next_sentence_prediction: bool = True
+    """True: BERT's pooler and NSP head (state dict = transformers' BertForPreTraining). False:
+    masked-LM only, as RoBERTa: no pooler, no NSP head (nothing in the model that the loss does
+    not reach, which DDP requires), and the state dict is exactly transformers'
+    BertForMaskedLM's. The trainer takes it from the prepared data when the preset leaves it
+    out (MLM-only data: false)."""
 
     def __post_init__(self) -> None:
         _check(
@@ -111,10 +117,9 @@ class BertConfig:
             f"model.pad_token_id ({self.pad_token_id!r}) must be a token id in "
             f"[0, vocab_size={self.vocab_size})",
         )
-        _check(
-            isinstance(self.pre_layer_norm, bool),
-            f"model.pre_layer_norm must be true or false, got {self.pre_layer_norm!r}",
-        )
+        for name in ("pre_layer_norm", "next_sentence_prediction"):
+            _check(isinstance(getattr(self, name), bool),
+                   f"model.{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
     def head_size(self) -> int:
@@ -143,7 +148,8 @@ class BertConfig:
         )
         return {
             **self.to_dict(),
-            "architectures": ["BertForPreTraining"],
+            "architectures": ["BertForPreTraining" if self.next_sentence_prediction
+                              else "BertForMaskedLM"],
             "model_type": "bert",
             "tie_word_embeddings": True,
         }

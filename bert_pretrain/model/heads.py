@@ -1,6 +1,6 @@
 """Pretraining heads: masked-LM (transform + decoder tied to the word embeddings + its own bias)
-and next-sentence prediction, with transformers' names (`cls.predictions.*`,
-`cls.seq_relationship`)."""
+and next-sentence prediction (absent in MLM-only models), with transformers' names
+(`cls.predictions.*`, `cls.seq_relationship`)."""
 
 from __future__ import annotations
 
@@ -42,4 +42,6 @@ class BertPreTrainingHeads(nn.Module):
     def __init__(self, config: BertConfig, word_embeddings: nn.Embedding):
         super().__init__()
         self.predictions = BertLMPredictionHead(config, word_embeddings)
-        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+        # MLM-only models have no NSP head (transformers' BertForMaskedLM has none either).
+        self.seq_relationship = (nn.Linear(config.hidden_size, 2)
+                                 if config.next_sentence_prediction else None)
