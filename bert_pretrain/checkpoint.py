@@ -52,7 +52,9 @@ TOKENIZER_DIR = "tokenizer"
 # Fields that decide tensor shapes: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                 "intermediate_size", "max_position_embeddings", "type_vocab_size",
-                "position_embedding_type", "pre_layer_norm")
+                "position_embedding_type", "pre_layer_norm", "next_sentence_prediction")
+# What a field missing from an older checkpoint's model config meant then.
+_SHAPE_DEFAULTS = {"next_sentence_prediction": True}
 # trainer_state.json holds a few numbers and one line per file: anything this large is not one.
 MAX_STATE_BYTES = 16 << 20
 _HASH_CHUNK = 8 << 20
@@ -439,8 +441,11 @@ def check_compatible(path: str, state: dict, model_config: dict,
                      tokenizer_sha256: Optional[str]) -> None:
     """Refuse a checkpoint of another model size or tokenizer, naming the differing fields."""
     saved = state.get("model_config", {})
-    diff = [f"{k}: checkpoint {saved.get(k)!r} vs config {model_config.get(k)!r}"
-            for k in SHAPE_FIELDS if saved.get(k) != model_config.get(k)]
+    def value(config, k):
+        return config.get(k, _SHAPE_DEFAULTS.get(k))
+
+    diff = [f"{k}: checkpoint {value(saved, k)!r} vs config {value(model_config, k)!r}"
+            for k in SHAPE_FIELDS if value(saved, k) != value(model_config, k)]
     if diff:
         raise CheckpointError(
             f"checkpoint {path} is for a different model ({'; '.join(diff)}); use the model "

@@ -19,7 +19,7 @@ pointer was rewritten is still found (a child of the line's end), and a run with
   a damaged one) starts a branch: the checkpoints newer than it are moved to
   `checkpoints/abandoned-<UTC time>/` with a copy of metrics.jsonl, never deleted, and one
   warning line says which and where.  A resume from another run's checkpoint branches into this
-  run directory the same way.
+  run directory the same way, and its metrics.jsonl starts with that run's history up to there.
 - Retention keeps the `keep_last_k` newest checkpoints of the line that verify, and never the one
   just written; checkpoints outside the line are never deleted.
 - Leftovers of interrupted saves are repaired before anything is searched: a `step-N.old` whose
@@ -231,6 +231,8 @@ class CheckpointManager:
             self.parent = name
         else:
             self.line, self.parent = [], (os.path.abspath(source) if source else None)
+            if source:
+                self._inherit_metrics(source)
         since = -1 if source is None else ckpt.read_train_state(source, verify=False)["step"]
         newer = [n for n in self._names() if n not in self.line and ckpt.step_of(n) > since]
         if newer:
@@ -238,6 +240,22 @@ class CheckpointManager:
         if source is not None or newer or os.path.lexists(os.path.join(self.root, POINTER)):
             self._write_pointer()
         return newer
+
+    def _inherit_metrics(self, source: str) -> None:
+        """A branch from another run's checkpoint starts this run's metrics.jsonl with that
+        run's history (the trainer cuts it back to the resumed step), so its curves show where
+        it came from. The log beside the checkpoint: its run's, or the one an abandoned line
+        was moved aside with."""
+        mine = os.path.join(self.run_dir, "metrics.jsonl")
+        if os.path.exists(mine):
+            return
+        folder = os.path.dirname(os.path.abspath(source))
+        for log in (os.path.join(folder, "metrics.jsonl"),
+                    os.path.join(os.path.dirname(folder), "metrics.jsonl")):
+            if os.path.isfile(log) and not os.path.islink(log):
+                os.makedirs(self.run_dir, exist_ok=True)
+                shutil.copyfile(log, mine)
+                return
 
     def _move_aside(self, names: list, source: Optional[str]) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

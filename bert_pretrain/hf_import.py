@@ -255,13 +255,15 @@ def check_against_data(path: str, config: dict, data) -> list:
     return notes
 
 
-def import_for_training(path: str, data, seed: int) -> tuple[dict, dict, list]:
+def import_for_training(path: str, data, seed: int,
+                        next_sentence_prediction: Optional[bool] = None) -> tuple[dict, dict, list]:
     """Continued pretraining from a transformers BERT directory (trainer.init_from): (model
     config, state dict, notes to print). Its config.json is the model (model.* settings are not
     used) and its tokenizer must be the data's."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config, state = read_hf_model(path, seed=seed)
+        config, state = read_hf_model(path, seed=seed,
+                                      next_sentence_prediction=next_sentence_prediction)
         notes = check_against_data(path, config, data)
     pad = data.special.get("pad", 0)
     if config.get("pad_token_id", pad) != pad:

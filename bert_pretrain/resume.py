@@ -24,7 +24,7 @@ RESULT_KEYS = (
     "data.train_split", "trainer.max_steps", "trainer.warmup_steps", "trainer.warmup_ratio",
     "trainer.budget_hours", "trainer.global_batch_size", "trainer.max_grad_norm",
     "trainer.nsp_loss_weight", "trainer.attention_locality",
-    "trainer.mixed_precision", "model.",
+    "trainer.mixed_precision", "model.", "data.batch_warmup_",
 )
 SPEED_ONLY = ("optim.fused",)
 
@@ -58,12 +58,33 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
+def _schema_defaults() -> dict:
+    """Flattened defaults of the settings groups: what a key that an older checkpoint's config
+    lacks (it predates the setting) meant then."""
+    from dataclasses import asdict, fields
+
+    from .data import DataConfig
+    from .model import BertConfig
+    from .optim import OptimConfig, SchedulerConfig
+    from .trainer_config import TrainerConfig
+
+    groups = {name: asdict(cls()) for name, cls in (
+        ("data", DataConfig), ("optim", OptimConfig), ("scheduler", SchedulerConfig),
+        ("trainer", TrainerConfig))}
+    groups["model"] = {f.name: f.default for f in fields(BertConfig)}
+    return _flatten(groups)
+
+
 def changed_settings(old: dict, new: dict) -> list:
-    """[(key, old value, new value)] for the result-changing settings that differ."""
+    """[(key, old value, new value)] for the result-changing settings that differ. A key the old
+    config does not have counts as unchanged when the new value is that setting's default."""
     a, b = _flatten(old), _flatten(new)
+    defaults = _schema_defaults()
     changes = []
     for key in sorted(set(a) | set(b)):
         if key in SPEED_ONLY or not key.startswith(RESULT_KEYS) or key == "model.vocab_size":
+            continue
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
         if a.get(key) != b.get(key):
             changes.append((key, a.get(key), b.get(key)))

@@ -74,7 +74,8 @@ def open_training_data(s, world: int, rank: int):
             f"trainer.global_batch_size={tc.global_batch_size} is smaller than the number of "
             f"processes ({world}): every process needs at least one sample per step; "
             f"raise it to a multiple of {world} or launch fewer processes")
-    micro = tc.micro_batch_size or tc.global_batch_size // world
+    # (during a batch warmup the micro-batch must divide its smallest batch: its start)
+    micro = tc.micro_batch_size or (s.data.batch_warmup_start or tc.global_batch_size) // world
     return data, TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank)
 
 
@@ -89,12 +90,15 @@ def build_model(s, data):
 
     init_from = s.trainer.init_from
     hf_state, notes = None, []
+    # An NSP head needs NSP labels; null takes it from the data (MLM-only data: no NSP head).
+    nsp = data.next_sentence_prediction(s.model.get("next_sentence_prediction"))
     try:
         if init_from and os.path.isdir(init_from) and is_hf_model_dir(init_from):
-            model_values, hf_state, notes = import_for_training(init_from, data, s.seed)
+            model_values, hf_state, notes = import_for_training(init_from, data, s.seed, nsp)
         else:
             model_values = {**s.model, "vocab_size": data.vocab_size,
-                            "pad_token_id": data.special.get("pad", 0)}
+                            "pad_token_id": data.special.get("pad", 0),
+                            "next_sentence_prediction": nsp}
         config = BertConfig.from_dict(model_values)
         impl = ModelImpl.from_dict(s.impl)
     except ValueError as exc:
@@ -105,7 +109,7 @@ def build_model(s, data):
             f"model.max_position_embeddings ({config.max_position_embeddings}); "
             f"raise it or prepare shorter sequences"
         )
-    if config.type_vocab_size < 2:
+    if config.type_vocab_size < 2 and data.has_nsp:
         raise ConfigError(
             f"model.type_vocab_size={config.type_vocab_size}, but the data's instances are "
             f"sentence pairs for next-sentence prediction (token types 0 and 1); set "

@@ -4,7 +4,8 @@
 Messages go through the `bert_pretrain` logger. On the main process it prints them as they are
 (information to stdout, warnings to stderr; through tqdm, so a progress bar is not torn) and
 appends them to train.log; on the other processes it prints only warnings and errors, prefixed
-with the rank.
+with the rank. What a run says at its start, at each evaluation and at its end is written here
+too (start_lines, eval_line, end_lines), so the trainer only decides when.
 """
 
 import logging
@@ -53,3 +54,76 @@ def close_run_log() -> None:
     for handler in list(log.handlers):
         log.removeHandler(handler)
         handler.close()
+
+
+# ------------------------------------------------------------------------------ what a run says
+def start_lines(t) -> list:
+    """What bert-train says as trainer `t` starts: the model, data, processes and batches, then
+    the precision and CPU settings with the reason for each."""
+    import torch
+
+    tc, cfg = t.tc, t.model_cfg
+    params = sum(p.numel() for p in t.raw_model.parameters())
+    lines = [
+        f"bert-train: {cfg.num_hidden_layers} layers x {cfg.hidden_size}, {params / 1e6:.1f}M "
+        f"parameters; {t.stream.split.num_instances} training instances; {t.world} "
+        f"process(es), global batch {tc.global_batch_size} = {t.world} x {t.micro} x "
+        f"{t.accumulation} accumulation; warmup {tc.warmup} steps; run_dir {t.run_dir}"
+        + (f"; resumed from {t.resume_path}" if t.resume_path else
+           f"; weights from {tc.init_from}" if tc.init_from else "")]
+    threads = (f"; {torch.get_num_threads()} CPU threads, OMP_WAIT_POLICY="
+               f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+               f"{', freed memory kept' if t.keeps_freed_memory else ''}"
+               if t.accelerator.device.type == "cpu" else "")
+    lines.append(f"bert-train: precision {t.precision.describe()} ({t.precision.reason}){threads}")
+    if not cfg.next_sentence_prediction:
+        lines.append("bert-train: MLM only (no NSP head"
+                     + (": the data has no sentence pairs)" if not t.data.has_nsp else
+                        ", model.next_sentence_prediction=false: the data's NSP labels are "
+                        "not used)"))
+    if not t.can_evaluate:
+        lines.append(f"bert-train: the held-out split {t.s.data.eval_split!r} of {t.s.data.dir} "
+                     f"is empty (bert-prep validation_fraction=0): training without evaluation")
+    return lines
+
+
+def already_finished_line(t) -> str:
+    return (f"bert-train: {t.run_dir} already finished at step {t.step} (resumed a finished run: "
+            f"nothing to train); to train again from scratch delete {t.run_dir} (for the demo: "
+            f"make demo-clean), or continue it with a larger trainer.max_steps or "
+            f"trainer.budget_hours")
+
+
+def _nsp_part(result: dict, chance: bool = False) -> str:
+    if "eval_nsp_accuracy" not in result:  # MLM-only
+        return ""
+    return f", NSP accuracy {result['eval_nsp_accuracy']:.4f}" + (" (chance: 0.5)" if chance
+                                                                   else "")
+
+
+def eval_line(step: int, result: dict) -> str:
+    return (f"bert-train: step {step}: held-out MLM loss {result['eval_mlm_loss']:.4f}, MLM "
+            f"accuracy {result['eval_mlm_accuracy']:.4f} ([MASK] positions "
+            f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}){_nsp_part(result)}")
+
+
+def end_lines(t, final: str, baseline) -> list:
+    """What bert-train says at the end: where it stopped, the last evaluation against the
+    most-frequent-token baseline, and where everything is."""
+    state = "stopped" if t.stopped_early else "finished"
+    if t.last_eval:
+        step, result = t.last_eval
+        lines = [f"bert-train: {state} at step {t.step}; eval at step {step}: MLM loss "
+                 f"{result['eval_mlm_loss']:.4f}, MLM accuracy {result['eval_mlm_accuracy']:.4f}"
+                 f" (always predicting the most frequent token: {baseline:.4f}; at [MASK] "
+                 f"positions: {result.get('eval_mlm_accuracy_masked', float('nan')):.4f})"
+                 f"{_nsp_part(result, chance=True)}"]
+    else:
+        lines = [f"bert-train: {state} at step {t.step} (no evaluation)"]
+    lines += [f"  checkpoint: {final}",
+              f"  metrics:    {t.metrics.path}",
+              f"  logs:       {os.path.join(t.run_dir, 'train.log')}, config in "
+              f"{os.path.join(final, 'config.yaml')}"]
+    if t.metrics.wandb_dir:
+        lines.append(f"  wandb:      {t.metrics.wandb_dir}")
+    return lines

@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .errors import TrainingError, UserError
+from .errors import ConfigError, TrainingError, UserError
 from .evaluation import evaluate, majority_baseline, model_inputs
 from .trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F401 (re-exported)
 
@@ -71,6 +71,7 @@ class Trainer:
         self._setup_accelerator()
         self._setup_data()
         self._setup_model()
+        self._check_objective()
         self._setup_run()
         self._setup_optimizer_and_resume()
         # Loop state; `fit` adds the progress bar and the signal handlers.
@@ -122,6 +123,14 @@ class Trainer:
 
         self.model_cfg, self.raw_model, self.hf_state, self.import_notes = \
             build_model(self.s, self.data)
+
+    def _check_objective(self) -> None:
+        objective = getattr(self.s, "objective", "eval_mlm_loss")
+        if not self.model_cfg.next_sentence_prediction and (
+                objective.startswith("eval_nsp") or objective == "eval_loss"):
+            raise ConfigError(f"objective={objective} needs next-sentence prediction, which this "
+                              f"MLM-only model does not do; use objective=eval_mlm_loss or "
+                              f"eval_mlm_accuracy")
 
     def _setup_run(self) -> None:
         from .checkpoint_manager import CheckpointManager
@@ -225,7 +234,9 @@ class Trainer:
         self._start_loop()
         try:
             if self._finished():
-                self._say_already_finished()
+                from .runlog import already_finished_line
+
+                self.log.info(already_finished_line(self))
             while not self._finished():
                 result = self.train_step()
                 self.log_step(result)
@@ -250,19 +261,20 @@ class Trainer:
         return self.step >= self.tc.max_steps or bool(budget and self.elapsed >= budget)
 
     def _start_loop(self) -> None:
-        from tqdm.auto import tqdm
-
+        from .progress import progress_bar
+        from .runlog import start_lines
         from .stop_request import StopRequest
 
         tc = self.tc
-        self._say_start()
+        for line in start_lines(self):
+            self.log.info(line)
         self.stop = StopRequest()
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
         # In budget mode the bar counts seconds of the budget, so its ETA is the real one.
-        self.bar = tqdm(total=round(budget) if budget else tc.max_steps,
-                        initial=round(self.elapsed) if budget else self.step,
-                        unit="s" if budget else "step", dynamic_ncols=True, desc="train",
-                        disable=not (self.main and tc.progress_bar))
+        self.bar = progress_bar(round(budget) if budget else tc.max_steps, desc="train",
+                                unit="s" if budget else "step",
+                                initial=round(self.elapsed) if budget else self.step,
+                                enabled=self.main and tc.progress_bar)
         self.clock = time.perf_counter() - self.elapsed
         self.model.train()
 
@@ -275,14 +287,21 @@ class Trainer:
 
         started = time.perf_counter()
         acc, tc, precision = self.accelerator, self.tc, self.precision
-        lr = self.s.optim.lr * self.schedule.factor(self.step, self.elapsed)
+        nsp_on = self.model_cfg.next_sentence_prediction
+        # (a batch warmup scales the lr with the batch, data_schedules.BatchRamp.lr_factor)
+        lr = self.s.optim.lr * self.schedule.factor(self.step, self.elapsed) * \
+            self.stream.lr_factor()
         set_lr(self.optimizer, lr)
         self.lr = lr
+        progress = tc.progress(self.step, self.elapsed)
         self._set_locality(tc.locality_strength(self.step, self.elapsed))
-        batches = self.stream.next_step()
+        self.batch_size = self.stream.batch_size()
+        self.masking_rate = self.stream.masking_rate(progress)
+        batches = self.stream.next_step(progress)
         # The global batch's counts, known before any forward pass: the normalisers of its loss.
         counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               sum(int(b["next_sentence_label"].numel()) for b in batches),
+                               sum(int(b["next_sentence_label"].numel()) for b in batches)
+                               if nsp_on else 0,
                                sum(int(b["num_tokens"]) for b in batches)],
                               dtype=torch.float64, device=acc.device)
         if self.world > 1:
@@ -290,18 +309,21 @@ class Trainer:
         num_mlm, num_nsp = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
         sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # mlm, nsp, stop flag
         for j, batch in enumerate(batches):
-            torch.manual_seed(dropout_seed(self.s.seed, self.step,
-                                           self.rank * self.accumulation + j))
-            inputs = model_inputs(batch, acc.device)
+            # (len(batches): this step's accumulation, the same on every process)
+            torch.manual_seed(dropout_seed(self.s.seed, self.step, self.rank * len(batches) + j))
+            inputs = model_inputs(batch, acc.device, nsp_on)
             last = j == len(batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 with precision.autocast():
                     out = self.model(**inputs, loss_reduction="sum")
                 # x world: DDP averages gradients over processes, the global batch sums them.
-                acc.backward(precision.scale(
-                    out.mlm_loss * (self.world / num_mlm) +
-                    out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp)))
-            sums[:2] += torch.stack([out.mlm_loss.detach(), out.nsp_loss.detach()]).double()
+                loss = out.mlm_loss * (self.world / num_mlm)
+                if out.nsp_loss is not None:
+                    loss = loss + out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp)
+                acc.backward(precision.scale(loss))
+            sums[0] += out.mlm_loss.detach().double()
+            if out.nsp_loss is not None:
+                sums[1] += out.nsp_loss.detach().double()
         sums[2] = float(self.stop is not None and self.stop.requested)
         if self.world > 1:
             sums = acc.reduce(sums, reduction="sum")
@@ -314,11 +336,23 @@ class Trainer:
         self.step += 1
         num_tokens = int(counts[2].item())
         self.tokens_seen += num_tokens
-        self.elapsed = time.perf_counter() - self.clock
-        result = StepResult(mlm + nsp, mlm, nsp, num_tokens, grad_norm, updated,
-                            sums[2].item() > 0, time.perf_counter() - started)
+        self._advance_clock()
+        result = StepResult(mlm + nsp, mlm, nsp if nsp_on else None, num_tokens, grad_norm,
+                            updated, sums[2].item() > 0, time.perf_counter() - started)
         self._count_nonfinite(result)
         return result
+
+    def _advance_clock(self) -> None:
+        """Training time so far. With a time budget every process must agree on it (it drives
+        the lr, the locality fade, the masking rate and when training stops): the slowest
+        process's clock counts."""
+        self.elapsed = time.perf_counter() - self.clock
+        if self.world > 1 and self.tc.budget_hours is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([self.elapsed], dtype=torch.float64, device=self.accelerator.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.elapsed = t.item()
 
     def _set_locality(self, strength: float) -> None:
         """The attention locality bias at `strength` (0: none, the plain model)."""
@@ -363,7 +397,7 @@ class Trainer:
     def log_step(self, result: StepResult) -> None:
         """Average the window's steps into one metrics.jsonl record every log_every steps."""
         tc = self.tc
-        self.window.add(result.loss, result.mlm_loss, result.nsp_loss, result.updated,
+        self.window.add(result.loss, result.mlm_loss, result.nsp_loss or 0.0, result.updated,
                         result.num_tokens, result.seconds)
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
         if self.bar is not None:
@@ -377,6 +411,12 @@ class Trainer:
                   "elapsed_s": round(self.elapsed, 2)}
         if result.grad_norm is not None:
             record["grad_norm"] = result.grad_norm
+        if result.nsp_loss is None:  # an MLM-only model: there is no NSP loss to log
+            del record["nsp_loss"]
+        if self.stream.ramp.start != self.stream.ramp.final:  # a batch warmup
+            record["global_batch_size"] = self.batch_size
+        if self.s.data.masked_lm_prob_start is not None:  # a masking-rate schedule
+            record["masked_lm_prob"] = round(self.masking_rate, 6)
         if tc.attention_locality:
             record["attention_locality"] = round(self.locality * tc.attention_locality, 6)
         if self.nonfinite:
@@ -392,9 +432,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def run_evaluation(self, intermediate: bool = False) -> dict:
         """Evaluate the current weights on the held-out split (every process takes part)."""
-        from tqdm.auto import tqdm
-
         from .data import eval_batches
+        from .progress import progress_bar
 
         tc, split = self.tc, self.data.split(self.s.data.eval_split)
         size = tc.eval_batch_size or self.micro
@@ -402,9 +441,8 @@ class Trainer:
         self._set_locality(0.0)  # score the model an export computes
         total = split.num_instances if tc.eval_max_samples is None else \
             min(tc.eval_max_samples, split.num_instances)
-        bar = tqdm(total=len(range(self.rank * size, total, self.world * size)), desc="eval",
-                   unit="batch", leave=False, dynamic_ncols=True,
-                   disable=not (self.main and tc.progress_bar))
+        bar = progress_bar(len(range(self.rank * size, total, self.world * size)), desc="eval",
+                           unit="batch", leave=False, enabled=self.main and tc.progress_bar)
         result = evaluate(self.accelerator.unwrap_model(self.model), self.accelerator,
                           eval_batches(self.data, self.s.data, size, self.world, self.rank,
                                        tc.eval_max_samples), progress=bar,
@@ -414,11 +452,9 @@ class Trainer:
         self._set_locality(training_locality)
         self.metrics.log({"step": self.step, **result, "elapsed_s": round(self.elapsed, 2)})
         if intermediate:
-            self.log.info(f"bert-train: step {self.step}: held-out MLM loss "
-                          f"{result['eval_mlm_loss']:.4f}, MLM accuracy "
-                          f"{result['eval_mlm_accuracy']:.4f} ([MASK] positions "
-                          f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}), "
-                          f"NSP accuracy {result['eval_nsp_accuracy']:.4f}")
+            from .runlog import eval_line
+
+            self.log.info(eval_line(self.step, result))
         self.last_eval = (self.step, result)
         return result
 
@@ -449,59 +485,18 @@ class Trainer:
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ start and end
-    def _say_start(self) -> None:
-        tc, cfg = self.tc, self.model_cfg
-        params = sum(p.numel() for p in self.raw_model.parameters())
-        self.log.info(
-            f"bert-train: {cfg.num_hidden_layers} layers x {cfg.hidden_size}, {params / 1e6:.1f}M "
-            f"parameters; {self.stream.split.num_instances} training instances; {self.world} "
-            f"process(es), global batch {tc.global_batch_size} = {self.world} x {self.micro} x "
-            f"{self.accumulation} accumulation; warmup {tc.warmup} steps; run_dir {self.run_dir}"
-            + (f"; resumed from {self.resume_path}" if self.resume_path else
-               f"; weights from {tc.init_from}" if tc.init_from else ""))
-        threads = (f"; {torch.get_num_threads()} CPU threads, OMP_WAIT_POLICY="
-                   f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
-                   f"{', freed memory kept' if self.keeps_freed_memory else ''}"
-                   if self.accelerator.device.type == "cpu" else "")
-        self.log.info(f"bert-train: precision {self.precision.describe()} "
-                      f"({self.precision.reason}){threads}")
-        if not self.can_evaluate:
-            self.log.info(f"bert-train: the held-out split {self.s.data.eval_split!r} of "
-                          f"{self.s.data.dir} is empty (bert-prep validation_fraction=0): "
-                          f"training without evaluation")
-
-    def _say_already_finished(self) -> None:
-        self.log.info(
-            f"bert-train: {self.run_dir} already finished at step {self.step} (resumed a finished "
-            f"run: nothing to train); to train again from scratch delete {self.run_dir} (for "
-            f"the demo: make demo-clean), or continue it with a larger trainer.max_steps or "
-            f"trainer.budget_hours")
-
     def finish(self) -> float:
         """Save (first: preemption grace periods are short), evaluate unless preempted, report."""
+        from .runlog import end_lines
+
         final = self.save() if self.last_saved != self.step else self.last_checkpoint
         if self.can_evaluate and not self.stopped_early and (
                 self.last_eval is None or self.last_eval[0] != self.step):
             self.run_evaluation()
         result = self.last_eval[1] if self.last_eval else {"eval_mlm_loss": float("nan")}
-        state = "stopped" if self.stopped_early else "finished"
-        if self.last_eval:
-            baseline = majority_baseline(self.data, self.s.data.eval_split)
-            self.log.info(
-                f"bert-train: {state} at step {self.step}; eval at step {self.last_eval[0]}: "
-                f"MLM loss {result['eval_mlm_loss']:.4f}, MLM accuracy "
-                f"{result['eval_mlm_accuracy']:.4f} (always predicting the most frequent token: "
-                f"{baseline:.4f}; at [MASK] positions: "
-                f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}), NSP accuracy "
-                f"{result['eval_nsp_accuracy']:.4f} (chance: 0.5)")
-        else:
-            self.log.info(f"bert-train: {state} at step {self.step} (no evaluation)")
-        self.log.info(f"  checkpoint: {final}")
-        self.log.info(f"  metrics:    {self.metrics.path}")
-        self.log.info(f"  logs:       {os.path.join(self.run_dir, 'train.log')}, config in "
-                      f"{os.path.join(final, 'config.yaml')}")
-        if self.metrics.wandb_dir:
-            self.log.info(f"  wandb:      {self.metrics.wandb_dir}")
+        baseline = majority_baseline(self.data, self.s.data.eval_split) if self.last_eval else None
+        for line in end_lines(self, final, baseline):
+            self.log.info(line)
         if self.main and self.tc.report:
             self._write_report()
         return self._objective(result)

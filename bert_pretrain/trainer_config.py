@@ -112,12 +112,17 @@ class TrainerConfig:
             raise ValueError(f"trainer.warmup_steps ({self.warmup}) must be below "
                              f"trainer.max_steps ({self.max_steps})")
 
+    def progress(self, step: int, elapsed: float) -> float:
+        """The share of training done before `step`: step / max_steps, or with a time budget
+        elapsed / budget (what the locality fade and a masking-rate schedule follow)."""
+        return (elapsed / (self.budget_hours * 3600) if self.budget_hours is not None
+                else step / self.max_steps)
+
     def locality_strength(self, step: int, elapsed: float) -> float:
         """The share of attention_locality in force at this point of training (1 -> 0)."""
         if not self.attention_locality:
             return 0.0
-        progress = (elapsed / (self.budget_hours * 3600) if self.budget_hours is not None
-                    else step / self.max_steps)
+        progress = self.progress(step, elapsed)
         if progress < self.attention_locality_hold:
             return 1.0
         span = self.attention_locality_end - self.attention_locality_hold

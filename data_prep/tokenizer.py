@@ -270,7 +270,8 @@ def vocab_shortfall(cfg: TokenizerConfig, vocab_size: int) -> str | None:
 
 def _warn_if_short(cfg: TokenizerConfig, pt: PreparedTokenizer) -> PreparedTokenizer:
     why = vocab_shortfall(cfg, pt.vocab_size)
-    if why:
+    # (nothing but the special tokens: the corpus held no text, which is an error said later)
+    if why and pt.vocab_size > len(SPECIAL_TOKENS):
         print(f"bert-prep: warning: {why}", file=sys.stderr, flush=True)
     return pt
 

@@ -130,10 +130,6 @@ def test_recipe_experiment_composes_each_switch(prepared):
     assert s.objective == "eval_mlm_loss"
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="issue 26: the trainer does not pass each step's progress to "
-                          "TrainStream.next_step yet (masking-rate schedule); remove this mark "
-                          "once it does")
 def test_recipe_experiment_trains(prepared, tmp_path):
     assert train_in_process(["experiment=modern_mini", f"data.dir={prepared}",
                              f"run_dir={tmp_path}", *SHRINK, *FAST,
