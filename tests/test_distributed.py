@@ -142,7 +142,9 @@ def test_checkpoint_resumes_under_another_world_size(prepared, single, tmp_path)
                     "trainer.micro_batch_size=4")
     assert "resumed from" in r.stdout
     assert_same_trajectory(train_records(single), train_records(resumed_1), range(4, 7))
-    assert sorted(train_records(resumed_1)) == [4, 5, 6]
+    # a branch into a new run dir starts with the history of the run it came from
+    assert sorted(train_records(resumed_1)) == [1, 2, 3, 4, 5, 6]
+    assert_same_trajectory(train_records(two_dir), train_records(resumed_1), range(1, 4))
 
     resumed_2 = tmp_path / "resumed_2"
     r = train_torchrun(2, f"data.dir={prepared}", f"run_dir={resumed_2}",
