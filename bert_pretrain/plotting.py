@@ -1,5 +1,6 @@
 """Every picture the project draws (matplotlib, no display needed): a run's curves
-(`bert-report`), attention maps (`bert-attention`) and a sweep's summary (`bert-sweep-summary`).
+(`bert-report`), attention maps (`bert-attention`), a sweep's summary (`bert-sweep-summary`) and
+GLUE scores of several models side by side (`bert-glue`).
 
 The callers gather numbers; this module only draws them, with the same conventions everywhere:
 a log axis where positive values span a decade or more, labels kept inside the figure
@@ -203,4 +204,53 @@ def plot_sweep(path: str, points: Sequence[tuple], metric: str, params: Sequence
         ax.set_ylabel(metric)
         ax.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------- GLUE scores
+
+
+@dataclass
+class Bars:
+    """One model's scores: a value (None: not run) and its [low, high] spread per group."""
+
+    label: str
+    values: list
+    spreads: list
+
+
+def plot_grouped_bars(path: str, groups: Sequence[str], bars: Sequence[Bars], ylabel: str,
+                      title: str, notes: Sequence[str] = (), separate_last: bool = False) -> str:
+    """Groups (tasks) along x, one bar per model inside each, the value printed on the bar
+    and the spread (e.g. the seeds' range) as an error bar; `separate_last` draws a line
+    before the last group."""
+    plt = pyplot()
+    width = 0.8 / max(len(bars), 1)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(groups) * max(1, len(bars)) ** 0.5 + 2),
+                                    4.4), layout="constrained")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, series in enumerate(bars):
+        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(groups))]
+        present = [(x, v, s) for x, v, s in zip(xs, series.values, series.spreads)
+                   if v is not None]
+        if not present:
+            continue
+        x, v, spread = zip(*present)
+        low = [val - (s[0] if s else val) for val, s in zip(v, spread)]
+        high = [(s[1] if s else val) - val for val, s in zip(v, spread)]
+        ax.bar(x, v, width * 0.92, label=series.label, color=colours[k % len(colours)],
+               yerr=[low, high], capsize=2, error_kw={"elinewidth": 0.8})
+        for xi, vi in zip(x, v):
+            ax.text(xi, vi, f"{vi:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)), groups)
+    if separate_last and len(groups) > 1:  # e.g. the average beside the tasks it averages
+        ax.axvline(len(groups) - 1.5, color="grey", linestyle=":", linewidth=1)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    if notes:
+        fig.text(0.01, 0.0, "\n".join(notes), fontsize=7, va="bottom", ha="left")
+        fig.get_layout_engine().set(rect=(0, 0.04 * len(notes), 1, 1 - 0.04 * len(notes)))
     return save(fig, path)
