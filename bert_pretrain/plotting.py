@@ -211,46 +211,55 @@ def plot_sweep(path: str, points: Sequence[tuple], metric: str, params: Sequence
 
 
 @dataclass
-class Bars:
+class Scores:
     """One model's scores: a value (None: not run) and its [low, high] spread per group."""
 
     label: str
     values: list
     spreads: list
+    colour: int = 0
+    """Index into the colour cycle: a model and its control share one."""
+    hollow: bool = False
+    """An open marker (e.g. the same model from random initialisation)."""
 
 
-def plot_grouped_bars(path: str, groups: Sequence[str], bars: Sequence[Bars], ylabel: str,
-                      title: str, notes: Sequence[str] = (), separate_last: bool = False) -> str:
-    """Groups (tasks) along x, one bar per model inside each, the value printed on the bar
-    and the spread (e.g. the seeds' range) as an error bar; `separate_last` draws a line
-    before the last group."""
+def plot_scores(path: str, groups: Sequence[str], series: Sequence[Scores], ylabel: str,
+                title: str, notes: Sequence[str] = (), separate_last: bool = False) -> str:
+    """Groups (tasks) along x, one point per model inside each (side by side), its spread
+    (e.g. the seeds' range) as an error bar and its value written beside it. Points rather than
+    bars: the axis can then zoom to the scores, where one or two points of difference show.
+    `separate_last` draws a line before the last group (an average)."""
     plt = pyplot()
-    width = 0.8 / max(len(bars), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(groups) * max(1, len(bars)) ** 0.5 + 2),
-                                    4.4), layout="constrained")
+    width = 0.7 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * len(groups) + 3), 4.6),
+                           layout="constrained")
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k, series in enumerate(bars):
-        xs = [i - 0.4 + width * (k + 0.5) for i in range(len(groups))]
-        present = [(x, v, s) for x, v, s in zip(xs, series.values, series.spreads)
-                   if v is not None]
-        if not present:
-            continue
-        x, v, spread = zip(*present)
-        low = [val - (s[0] if s else val) for val, s in zip(v, spread)]
-        high = [(s[1] if s else val) - val for val, s in zip(v, spread)]
-        ax.bar(x, v, width * 0.92, label=series.label, color=colours[k % len(colours)],
-               yerr=[low, high], capsize=2, error_kw={"elinewidth": 0.8})
-        for xi, vi in zip(x, v):
-            ax.text(xi, vi, f"{vi:.1f}", ha="center", va="bottom", fontsize=7)
+    for k, line in enumerate(series):
+        colour = colours[line.colour % len(colours)]
+        for i, (value, spread) in enumerate(zip(line.values, line.spreads)):
+            if value is None:
+                continue
+            x = i - 0.35 + width * (k + 0.5)
+            low, high = spread if spread else (value, value)
+            ax.errorbar([x], [value], yerr=[[value - low], [high - value]], fmt="o",
+                        markersize=8, color=colour, mfc="white" if line.hollow else colour,
+                        mew=1.8, capsize=3, label=line.label if i == 0 or not any(
+                            v is not None for v in line.values[:i]) else None)
+            ax.annotate(f"{value:.1f}", (x, high), textcoords="offset points", xytext=(0, 4),
+                        ha="center", fontsize=7)
     ax.set_xticks(range(len(groups)), groups)
-    if separate_last and len(groups) > 1:  # e.g. the average beside the tasks it averages
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    if separate_last and len(groups) > 1:
         ax.axvline(len(groups) - 1.5, color="grey", linestyle=":", linewidth=1)
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title, fontsize=10)
     if notes:
-        fig.text(0.01, 0.0, "\n".join(notes), fontsize=7, va="bottom", ha="left")
-        fig.get_layout_engine().set(rect=(0, 0.04 * len(notes), 1, 1 - 0.04 * len(notes)))
+        import textwrap
+
+        wrapped = [w for note in notes for w in textwrap.wrap(note, 120)]
+        fig.text(0.01, 0.005, "\n".join(wrapped), fontsize=7, va="bottom", ha="left")
+        fig.get_layout_engine().set(rect=(0, 0.035 * len(wrapped) + 0.01, 1,
+                                          1 - 0.035 * len(wrapped) - 0.01))
     return save(fig, path)

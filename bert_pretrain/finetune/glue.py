@@ -36,10 +36,11 @@ def run_glue(g, config_yaml: str = "") -> dict:
     session = Session.start(g.trainer)
     say = say_main(session)
     start = time.perf_counter()
-    entries = [(label, path, "pretrained") for label, path in zip(g.labels, g.models)]
-    if g.controls:
-        entries += [(f"{label} (random init)", path, "random")
-                    for label, path in zip(g.labels, g.models)]
+    entries = []  # each model, then (controls=true) the same model from random init
+    for label, path in zip(g.labels, g.models):
+        entries.append((label, path, "pretrained"))
+        if g.controls:
+            entries.append((f"{label} (random init)", path, "random"))
     controls = " and their random-init controls" if g.controls else ""
     say(f"bert-glue: {len(g.models)} model(s){controls} x {len(g.tasks)} task(s) "
         f"({', '.join(g.tasks)}), {len(g.recipe.lrs)} lr x {len(g.recipe.seeds)} seed(s) each; "

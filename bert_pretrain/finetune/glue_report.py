@@ -41,26 +41,28 @@ def markdown_table(report: dict) -> str:
     averaged = [t for t in tasks if t not in NOT_AVERAGED]
     head = [f"{GLUE_TASKS[t].title}" + (f" ({CELL_NAMES[t]})" if t in CELL_NAMES else "")
             for t in tasks]
-    avg_name = "Average" if len(averaged) == 8 else \
-        f"Average ({len(averaged)} task{'s' if len(averaged) > 1 else ''})"
-    lines = ["| Model | " + " | ".join(head) + f" | {avg_name} |",
-             "|---|" + "---:|" * (len(tasks) + 1)]
+    with_average = len(averaged) > 1  # an average of one task is that task again
+    if with_average:
+        head.append("Average" if len(averaged) == 8 else f"Average ({len(averaged)} tasks)")
+    lines = ["| Model | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
     for m in report["models"]:
-        avg = m["average"]
-        lines.append(f"| {m['label']} | " + " | ".join(_cell(t, m["tasks"].get(t))
-                                                       for t in tasks)
-                     + f" | {'-' if avg is None else f'{100 * avg:.1f}'} |")
+        cells = [_cell(t, m["tasks"].get(t)) for t in tasks]
+        if with_average:
+            cells.append("-" if m["average"] is None else f"{100 * m['average']:.1f}")
+        lines.append(f"| {m['label']} | " + " | ".join(cells) + " |")
     r = report["recipe"]
-    lines += ["", f"Dev sets; each number is the median over seeds {r['seeds']} at the best "
-                  f"learning rate of {r['lrs']} (chosen per task and model by that median). "
-                  f"A task's score is the mean of its numbers; the average is over the tasks' "
-                  f"scores" + (", WNLI left out as is customary." if "wnli" in tasks else ".")]
+    note = (f"Dev sets; each number is the median over seeds {r['seeds']} at the best learning "
+            f"rate of {r['lrs']} (chosen per task and model by that median).")
+    if with_average:
+        note += (" A task's score is the mean of its numbers; the average is over the tasks' "
+                 "scores" + (", WNLI left out as is customary." if "wnli" in tasks else "."))
+    lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
 def write_report(report: dict, out_dir: str) -> dict:
     """glue.json, glue.md, glue.png in out_dir; returns their paths."""
-    from ..plotting import Bars, plot_grouped_bars
+    from ..plotting import Scores, plot_scores
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f"glue.{k}") for k in ("json", "md", "png")}
@@ -71,20 +73,30 @@ def write_report(report: dict, out_dir: str) -> dict:
     with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(markdown_table(report))
     tasks = report["tasks"]
+    averaged = [t for t in tasks if t not in NOT_AVERAGED]
+    with_average = len(averaged) > 1  # an average of one task is that task again
     groups = [GLUE_TASKS[t].title for t in tasks] + \
-        ["Average\n(no WNLI)" if "wnli" in tasks else "Average"]
-    bars = []
+        (["Average\n(no WNLI)" if "wnli" in tasks else "Average"] if with_average else [])
+    series, colour_of = [], {}
     for m in report["models"]:
         entries = [m["tasks"].get(t) for t in tasks]
         values = [None if e is None else 100 * e["score"] for e in entries]
         spreads = [None if e is None else [100 * x for x in e["score_range"]] for e in entries]
-        values.append(None if m["average"] is None else 100 * m["average"])
-        spreads.append(None)
-        bars.append(Bars(m["label"], values, spreads))
+        if with_average:
+            values.append(None if m["average"] is None else 100 * m["average"])
+            spreads.append(None)
+        # a model's random-init control: the model's colour, an open marker
+        colour = colour_of.setdefault(m["model"], len(colour_of))
+        series.append(Scores(m["label"], values, spreads, colour, m["init"] == "random"))
     r = report["recipe"]
-    plot_grouped_bars(paths["png"], groups, bars, "task score (dev set)",
-                      f"GLUE dev: median of {len(r['seeds'])} seed(s) at each task's best lr",
-                      [f"bars: the seeds' range at that lr; Average leaves out WNLI; recipe: "
-                       f"batch {r['batch_size']}, {r['epochs']:g} epochs, lrs {r['lrs']}, max "
-                       f"length {r['max_length']}"], separate_last=True)
+    plot_scores(paths["png"], groups, series, "score on the dev set (%)",
+                f"GLUE dev: median of {len(r['seeds'])} seed(s) at each task's best learning "
+                f"rate", [f"Error bars: the seeds' range at that rate. Open markers: the same "
+                          f"model from random initialisation. Recipe: batch {r['batch_size']}, "
+                          f"{r['epochs']:g} epochs, learning rates {r['lrs']}, max length "
+                          f"{r['max_length']}, dropout {r['dropout']}"
+                          + (f", {report['max_train_samples']:,} training examples per task"
+                             if report.get("max_train_samples") else "")
+                          + ("; the average leaves out WNLI." if "wnli" in tasks else ".")],
+                separate_last=with_average)
     return paths
