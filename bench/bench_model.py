@@ -22,6 +22,11 @@ run is recorded (cores busy outside this process, from /proc/stat).
     python bench/bench_model.py --dropout 0 --variants ours-sdpa   # as budget recipes train
     python bench/bench_model.py --compile                   # also time torch.compile'd ours
     python bench/bench_model.py --device cuda               # GPU: bf16 autocast, fused attention
+    python bench/bench_model.py --finetune                  # + a fine-tuning step (below)
+
+`--finetune` adds a fine-tuning row per preset: our BertForSequenceClassification against
+transformers' (sdpa) on the same weights and batches of sentence pairs of GLUE-like lengths
+(uniform in [seq/8, seq], each batch padded to its longest, as bert-finetune collates).
 """
 
 from __future__ import annotations
@@ -282,6 +287,9 @@ def main(argv=None) -> None:
                         "such as experiment=budget_mini train with 0")
     p.add_argument("--compile", action="store_true",
                    help="also time our model under torch.compile (inductor, dynamic shapes)")
+    p.add_argument("--finetune", action="store_true",
+                   help="also time a fine-tuning step (sequence classification, 2 labels): "
+                        "ours against transformers' BertForSequenceClassification")
     p.add_argument("--compete", action="store_true",
                    help="after the quiet runs, one more run beside a busy single-threaded "
                         "process (a machine shared with another job)")
@@ -323,6 +331,9 @@ def main(argv=None) -> None:
             for preset, batch_size, seq_len in specs:
                 for dtype_name in dtypes:
                     new = bench_one(preset, batch_size, seq_len, dtype_name, args, peaks)
+                    if args.finetune:
+                        new += bench_finetune_one(preset, batch_size, seq_len, dtype_name,
+                                                  args, peaks)
                     _print_rows(new)
                     rows += new
         finally:
@@ -413,6 +424,89 @@ def _print_summary(rows: list[dict]) -> None:
               f"{r['model']:>20}  {r['tokens_per_s']:8,.0f} tok/s ({tlo:,.0f}-{thi:,.0f})  "
               f"x{r['speedup_vs_transformers']:.2f} ({lo:.2f}-{hi:.2f})  "
               f"MFU {100 * r['mfu']:.0f}% of {r['peak'] / 1e9:,.0f} GFLOP/s", flush=True)
+
+
+# --------------------------------------------------------------------------- fine-tuning step
+
+
+def make_finetune_batch(batch_size: int, seq_len: int, vocab_size: int, gen: torch.Generator,
+                        device: str) -> dict[str, torch.Tensor]:
+    """Sentence pairs of lengths uniform in [seq_len/8, seq_len], padded to the longest."""
+    lengths = torch.randint(max(4, seq_len // 8), seq_len + 1, (batch_size,), generator=gen)
+    longest = int(lengths.max())
+    pos = torch.arange(longest)
+    mask = pos[None] < lengths[:, None]
+    ids = torch.randint(5, vocab_size, (batch_size, longest), generator=gen).masked_fill(~mask, 0)
+    ids[:, 0] = 2
+    types = (pos[None] >= (lengths[:, None] // 2)) & mask
+    labels = torch.randint(0, 2, (batch_size,), generator=gen)
+    batch = dict(input_ids=ids, attention_mask=mask.long(), token_type_ids=types.long(),
+                 labels=labels)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def finetune_flops(cfg: BertConfig, batch: dict[str, torch.Tensor]) -> float:
+    """Useful training FLOPs (3x forward) of a classification step: matmuls on real tokens,
+    attention over real keys, pooler and classifier."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    lengths = batch["attention_mask"].sum(1).double()
+    per_token = layers * 2 * (4 * h * h + 2 * h * inter)
+    attention = layers * 2 * 2 * h * (lengths**2).sum().item()
+    return 3.0 * (lengths.sum().item() * per_token + attention + len(lengths) * 2 * (h * h + 2 * h))
+
+
+def bench_finetune_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
+                       peaks) -> list[dict]:
+    """One fine-tuning step (forward with the classification loss, backward, fused AdamW),
+    ours-finetune against transformers-finetune, alternating step by step."""
+    import transformers
+
+    from bert_pretrain.model import BertForSequenceClassification
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    cfg = load_preset(preset, args.vocab_size)
+    if args.dropout is not None:
+        cfg = dataclasses.replace(cfg, hidden_dropout_prob=args.dropout,
+                                  attention_probs_dropout_prob=args.dropout)
+    torch.manual_seed(args.seed)
+    ours = BertForSequenceClassification(cfg, 2, ModelImpl())
+    hf_cfg = transformers.BertConfig(**{**cfg.to_hf_dict(), "num_labels": 2})
+    theirs = transformers.BertForSequenceClassification._from_config(hf_cfg,
+                                                                     attn_implementation="sdpa")
+    theirs.load_state_dict(ours.hf_state_dict(), strict=True)
+    models = {}
+    for name, model in (("ours-finetune", ours), ("transformers-finetune", theirs)):
+        model.to(args.device).train()
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-5, fused=True))
+    gen = torch.Generator().manual_seed(args.seed)
+    times = {n: [] for n in models}
+    cpu_times = {n: [] for n in models}
+    tokens, flops = [], []
+    load = OtherLoad()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            load = OtherLoad()
+        batch = make_finetune_batch(batch_size, seq_len, cfg.vocab_size, gen, args.device)
+        for name in (list(models) if step % 2 == 0 else list(models)[::-1]):
+            elapsed, cpu = train_step(*models[name], batch, args.device, dtype)
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                cpu_times[name].append(cpu)
+        if step >= args.warmup:
+            tokens.append(batch["attention_mask"].sum().item())
+            flops.append(finetune_flops(cfg, batch))
+    other = load.cores()
+    base = statistics.median(times["transformers-finetune"])
+    base_cpu = statistics.median(cpu_times["transformers-finetune"])
+    return [dict(preset=preset, batch_size=batch_size, seq_len=seq_len, dtype=dtype_name,
+                 model=name, median_step_s=statistics.median(t), step_times_s=t,
+                 median_cpu_s=statistics.median(cpu_times[name]), cpu_times_s=cpu_times[name],
+                 tokens_per_s=statistics.mean(tokens) / statistics.median(t),
+                 speedup_vs_transformers=base / statistics.median(t),
+                 cpu_speedup_vs_transformers=base_cpu / statistics.median(cpu_times[name]),
+                 mfu=statistics.mean(flops) / statistics.median(t) / peaks[dtype_name],
+                 other_load_cores=other, loadavg_1min_after=os.getloadavg()[0])
+            for name, t in times.items()]
 
 
 if __name__ == "__main__":

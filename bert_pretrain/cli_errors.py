@@ -1,13 +1,15 @@
-"""One-line errors for Hydra command lines, shared by `bert-prep` and `bert-train`.
+"""One-line errors for Hydra command lines, shared by `bert-prep`, `bert-train`, `bert-finetune`
+and `bert-glue`.
 
 Hydra reports a misspelt key or an unknown group option in several lines (full_key,
 object_type, a HYDRA_FULL_ERROR hint) and exits 1. Both entry points compose their config once
 before Hydra runs, so such a mistake ends in the same `<prog>: error: ...` line and exit status 2
 as every other user error, with a 'did you mean ...' when a key or option is close to a real one.
 
-Each command has its own config root (conf/train/ for bert-train, conf/prep/ for bert-prep), so
-`--help` lists only its own groups; a setting of the other command gets a line saying where it
-belongs, and `accelerate=...` one saying how accelerate configs are used.
+Each command has its own config root (conf/train/ for bert-train, conf/prep/ for bert-prep,
+conf/finetune/ for bert-finetune and bert-glue), so `--help` lists only its own groups; a setting
+of another command gets a line saying where it belongs, and `accelerate=...` one saying how
+accelerate configs are used.
 """
 from __future__ import annotations
 
@@ -19,12 +21,33 @@ import sys
 from typing import Callable, Optional
 
 # The config roots under conf/ and the command each belongs to.
-COMMANDS = {"train": "bert-train", "prep": "bert-prep"}
+COMMANDS = {"train": "bert-train", "prep": "bert-prep", "finetune": "bert-finetune"}
 
 
 def fail(prog: str, message: str) -> None:
     print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def suggest_from(schema):
+    """'did you mean ...' for a misspelt key, from `schema`'s field names."""
+    def suggest(exc: Exception) -> str:
+        from omegaconf import OmegaConf
+
+        full_key = getattr(exc, "full_key", None)
+        if not full_key:
+            return ""
+        parent, _, key = full_key.rpartition(".")
+        node = OmegaConf.structured(schema)
+        try:
+            names = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
+        except Exception:  # a free-form sub-tree (impl): nothing to suggest from
+            return ""
+        if key in names:
+            return ""
+        close = difflib.get_close_matches(key, names, n=1)
+        return f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    return suggest
 
 
 def one_line(exc: Exception, suggest: Optional[Callable[[Exception], str]] = None) -> str:
@@ -160,10 +183,12 @@ def _belongs_elsewhere(prog: str, conf_dir: str, key: str) -> str:
 
 def _accelerate(prog: str, override: str) -> str:
     name = override.split("=", 1)[1] if "=" in override else "<name>"
-    if prog == "bert-train":
-        return (f"{override.lstrip('+~')} is not a bert-train setting: conf/accelerate/ holds "
+    modules = {"bert-train": "bert_pretrain.train", "bert-finetune": "bert_pretrain.finetune",
+               "bert-glue": "bert_pretrain.finetune.glue"}
+    if prog in modules:
+        return (f"{override.lstrip('+~')} is not a {prog} setting: conf/accelerate/ holds "
                 f"accelerate launcher configs; run `accelerate launch --config_file "
-                f"conf/accelerate/{name}.yaml -m bert_pretrain.train ...` instead")
+                f"conf/accelerate/{name}.yaml -m {modules[prog]} ...` instead")
     return (f"{override.lstrip('+~')} is not a {prog} setting: conf/accelerate/ holds launcher "
             f"configs for training; bert-prep spreads its work with num_proc=N "
             f"(and num_hosts/host_index across machines)")

@@ -15,6 +15,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 from .data import DataConfig
 from .data_schedules import check_start
 from .errors import ConfigError
+from .finetune.downstream import DownstreamConfig
 from .metrics import LoggerConfig
 from .optim import OptimConfig, SchedulerConfig
 from .trainer_config import TrainerConfig
@@ -44,11 +45,15 @@ class TrainConfig:
     objective: str = "eval_mlm_loss"
     """The final held-out metric bert-train returns, which a sweeper optimises: one of
     OBJECTIVES (eval_loss = eval_mlm_loss + eval_nsp_loss; set the sweeper's direction to
-    maximize for an accuracy)."""
+    maximize for an accuracy or downstream_score)."""
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
+    """At the end of the run, fine-tune the final checkpoint on GLUE tasks (downstream.tasks;
+    null = off) and log downstream_score, which objective=downstream_score returns."""
 
 
 OBJECTIVES = ("eval_mlm_loss", "eval_nsp_loss", "eval_loss", "eval_mlm_accuracy",
-              "eval_mlm_accuracy_masked", "eval_nsp_accuracy", "eval_nsp_accuracy_balanced")
+              "eval_mlm_accuracy_masked", "eval_nsp_accuracy", "eval_nsp_accuracy_balanced",
+              "downstream_score")
 
 
 def register() -> None:
@@ -71,6 +76,7 @@ class Settings:
     run_dir: str
     resume: str
     objective: str = "eval_mlm_loss"
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig)
 
 
 def _typed(cfg: DictConfig, key: str, cls):
@@ -120,6 +126,11 @@ def settings(cfg: DictConfig) -> Settings:
     _finite("model", model)
     for key in ("data", "optim", "scheduler", "trainer", "logger"):
         _finite(key, OmegaConf.to_container(cfg[key], resolve=True))
+    downstream = _typed(cfg, "downstream", DownstreamConfig) if cfg.get("downstream") \
+        else DownstreamConfig()
+    if objective == "downstream_score" and not downstream.enabled:
+        raise ConfigError("objective=downstream_score needs downstream.tasks (e.g. "
+                          "downstream.tasks=sst2 downstream.data_dir=<GLUE folder>)")
     s = Settings(
         model=model, impl=impl,
         data=_typed(cfg, "data", DataConfig),
@@ -128,7 +139,7 @@ def settings(cfg: DictConfig) -> Settings:
         trainer=_typed(cfg, "trainer", TrainerConfig),
         logger=_typed(cfg, "logger", LoggerConfig),
         name=str(cfg.name), seed=int(cfg.seed), run_dir=str(cfg.run_dir),
-        resume=str(cfg.resume), objective=objective,
+        resume=str(cfg.resume), objective=objective, downstream=downstream,
     )
     _check_across_groups(s)
     return s

@@ -1,5 +1,6 @@
 """Every picture the project draws (matplotlib, no display needed): a run's curves
-(`bert-report`), attention maps (`bert-attention`) and a sweep's summary (`bert-sweep-summary`).
+(`bert-report`), attention maps (`bert-attention`), a sweep's summary (`bert-sweep-summary`) and
+GLUE scores of several models side by side (`bert-glue`).
 
 The callers gather numbers; this module only draws them, with the same conventions everywhere:
 a log axis where positive values span a decade or more, labels kept inside the figure
@@ -217,4 +218,62 @@ def plot_sweep(path: str, points: Sequence[tuple], metric: str, params: Sequence
         ax.set_ylabel(metric)
         ax.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=10)
+    return save(fig, path)
+
+
+# --------------------------------------------------------------------------- GLUE scores
+
+
+@dataclass
+class Scores:
+    """One model's scores: a value (None: not run) and its [low, high] spread per group."""
+
+    label: str
+    values: list
+    spreads: list
+    colour: int = 0
+    """Index into the colour cycle: a model and its control share one."""
+    hollow: bool = False
+    """An open marker (e.g. the same model from random initialisation)."""
+
+
+def plot_scores(path: str, groups: Sequence[str], series: Sequence[Scores], ylabel: str,
+                title: str, notes: Sequence[str] = (), separate_last: bool = False) -> str:
+    """Groups (tasks) along x, one point per model inside each (side by side), its spread
+    (e.g. the seeds' range) as an error bar and its value written beside it. Points rather than
+    bars: the axis can then zoom to the scores, where one or two points of difference show.
+    `separate_last` draws a line before the last group (an average)."""
+    plt = pyplot()
+    width = 0.7 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * len(groups) + 3), 4.6),
+                           layout="constrained")
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, line in enumerate(series):
+        colour = colours[line.colour % len(colours)]
+        for i, (value, spread) in enumerate(zip(line.values, line.spreads)):
+            if value is None:
+                continue
+            x = i - 0.35 + width * (k + 0.5)
+            low, high = spread if spread else (value, value)
+            ax.errorbar([x], [value], yerr=[[value - low], [high - value]], fmt="o",
+                        markersize=8, color=colour, mfc="white" if line.hollow else colour,
+                        mew=1.8, capsize=3, label=line.label if i == 0 or not any(
+                            v is not None for v in line.values[:i]) else None)
+            ax.annotate(f"{value:.1f}", (x, high), textcoords="offset points", xytext=(0, 4),
+                        ha="center", fontsize=7)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_xlim(-0.5, len(groups) - 0.5)
+    if separate_last and len(groups) > 1:
+        ax.axvline(len(groups) - 1.5, color="grey", linestyle=":", linewidth=1)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    ax.set_title(title, fontsize=10)
+    if notes:
+        import textwrap
+
+        wrapped = [w for note in notes for w in textwrap.wrap(note, 120)]
+        fig.text(0.01, 0.005, "\n".join(wrapped), fontsize=7, va="bottom", ha="left")
+        fig.get_layout_engine().set(rect=(0, 0.035 * len(wrapped) + 0.01, 1,
+                                          1 - 0.035 * len(wrapped) - 0.01))
     return save(fig, path)

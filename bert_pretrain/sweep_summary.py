@@ -43,8 +43,8 @@ PLOT_FILE = "summary.png"
 # The value the training entry point returned to the sweeper (what Optuna optimises).
 OBJECTIVE = "objective"
 # Metric columns shown in the stdout table after the ranked metric (when a trial has them).
-TABLE_METRICS = ("eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy",
-                 "eval_nsp_accuracy_balanced", "step")
+TABLE_METRICS = ("downstream_score", "eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss",
+                 "eval_nsp_accuracy", "eval_nsp_accuracy_balanced", "step")
 
 
 class SweepSummaryError(ValueError):
@@ -218,8 +218,9 @@ def split_overrides(trials: Sequence[Trial]) -> tuple[list[str], dict[str, str]]
 
 
 def default_mode(metric: str) -> str:
-    """Accuracies rank highest first, everything else (losses, the objective) lowest first."""
-    return "max" if "accuracy" in metric else "min"
+    """Accuracies and downstream (fine-tuned GLUE) scores rank highest first, everything else
+    (losses, the objective) lowest first."""
+    return "max" if "accuracy" in metric or metric.startswith("downstream") else "min"
 
 
 def rank_trials(trials: Iterable[Trial], metric: str, mode: str) -> list[Trial]:
@@ -553,7 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="metrics.jsonl key to rank by, or 'objective' for the value returned to "
                         "the sweeper (default: eval_mlm_loss)")
     p.add_argument("--mode", choices=("min", "max"), default=None,
-                   help="min or max (default: max for metrics named *accuracy*, else min)")
+                   help="min or max (default: max for *accuracy* and downstream_* metrics, "
+                        "else min)")
     args = p.parse_args(argv)
     mode = args.mode or default_mode(args.metric)
     try:

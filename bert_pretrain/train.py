@@ -21,8 +21,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .cli_errors import precheck  # noqa: E402
-from .config import register, settings  # noqa: E402
+from .cli_errors import precheck, suggest_from  # noqa: E402
+from .config import TrainConfig, register, settings  # noqa: E402
 from .errors import UserError  # noqa: E402
 
 register()
@@ -90,29 +90,6 @@ def _run(cfg: DictConfig) -> float:
         _fail(str(exc))
 
 
-def _suggest(exc: Exception) -> str:
-    """'did you mean ...' for a misspelt key, from the schema's field names."""
-    import difflib
-
-    from omegaconf import OmegaConf
-
-    from .config import TrainConfig
-
-    full_key = getattr(exc, "full_key", None)
-    if not full_key:
-        return ""
-    parent, _, key = full_key.rpartition(".")
-    node = OmegaConf.structured(TrainConfig)
-    try:
-        names = list(OmegaConf.select(node, parent).keys()) if parent else list(node.keys())
-    except Exception:  # the parent is a free-form group (model, impl): nothing to suggest from
-        return ""
-    if key in names:
-        return ""
-    close = difflib.get_close_matches(key, names, n=1)
-    return f"did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
-
-
 def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # hparams_search configs set hydra.mode=MULTIRUN: their sweep syntax is not an error
@@ -122,7 +99,8 @@ def main() -> None:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            precheck("bert-train", CONF_DIR, "train", sys.argv[1:], suggest=_suggest,
+            precheck("bert-train", CONF_DIR, "train", sys.argv[1:],
+                     suggest=suggest_from(TrainConfig),
                      skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
     except SystemExit:
         if main_process:

@@ -497,6 +497,17 @@ class Trainer:
         baseline = majority_baseline(self.data, self.s.data.eval_split) if self.last_eval else None
         for line in end_lines(self, final, baseline):
             self.log.info(line)
+        if self.main and self.s.downstream.enabled and not self.stopped_early:
+            # Only the main process fine-tunes (a child process of its own): the others must
+            # not wait in a collective for the minutes it takes. Its scores go to metrics.jsonl
+            # (the sweep summary reads them) and may be the sweeper's objective.
+            from .finetune.downstream import downstream_score
+
+            scores = downstream_score(final, self.s.downstream,
+                                      os.path.join(self.run_dir, "downstream"),
+                                      log=self.log.info)
+            self.metrics.log({"step": self.step, **scores})
+            result = {**result, **scores}
         if self.main and self.tc.report:
             self._write_report()
         return self._objective(result)

@@ -93,3 +93,17 @@ def test_no_bf16_units_measures_fp32_only_and_says_so(tmp_path):
                        timeout=hang_limit())
     assert r.returncode != 0
     assert r.stderr.strip().splitlines() == [f"error: --dtypes bf16: {why}; measure fp32 here"]
+
+
+def test_fine_tuning_row(tmp_path):
+    """--finetune: ours BertForSequenceClassification against transformers' in the same run."""
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:4:32", "--dtypes", "fp32", "--warmup", "1", "--steps", "2",
+                        "--finetune", "--vocab-size", "512", "--out", str(out)],
+                       capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["model"]: row for row in json.loads(out.read_text())["summary"]}
+    assert {"ours-finetune", "transformers-finetune"} <= set(rows)
+    assert rows["transformers-finetune"]["speedup_vs_transformers"] == 1.0
+    assert rows["ours-finetune"]["tokens_per_s"] > 0

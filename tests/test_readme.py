@@ -243,8 +243,13 @@ def test_every_make_target_has_a_help_line():
     assert set(targets) == set(phony) == set(documented), (targets, phony, documented)
 
 
+# Each Hydra command's config root and primary config.
+CONFIGS = {"bert-prep": ("prep", "prep"), "bert-train": ("train", "train"),
+           "bert-finetune": ("finetune", "finetune"), "bert-glue": ("finetune", "glue")}
+
+
 def documented_commands():
-    """The bert-prep / bert-train command lines of the README's other bash blocks (those that
+    """The Hydra commands' lines of the README's other bash blocks (those that
     need data or machines a test does not have): [(program, overrides, line)], leaving out lines
     with a placeholder (`...`, `<dir>`)."""
     with open(README) as f:
@@ -258,25 +263,28 @@ def documented_commands():
             prog = program(words)
             if prog == "bert-train" and "bert_pretrain.train" in words:
                 words = [prog] + words[words.index("bert_pretrain.train") + 1:]
-            if prog in ("bert-prep", "bert-train") and not any(
-                    "..." in w or "<" in w for w in words):
+            if prog in CONFIGS and not any("..." in w or "<" in w for w in words):
                 found.append((prog, words[1:], line.strip()))
     return found
 
 
 def test_the_readmes_other_commands_compose():
-    """Every complete bert-prep / bert-train line elsewhere in the README names real groups,
-    options and keys (the same check the commands make before they start)."""
+    """Every complete bert-prep / bert-train / bert-finetune / bert-glue line elsewhere in the
+    README names real groups, options and keys (the same check the commands make before they
+    start)."""
     from bert_pretrain.cli_errors import precheck
     from bert_pretrain.config import register
+    from bert_pretrain.finetune.config import register as register_finetune
 
     register()
+    register_finetune()
     commands = documented_commands()
     assert len(commands) >= 10
+    assert {"bert-finetune", "bert-glue"} <= {prog for prog, _, _ in commands}
     for prog, overrides, line in commands:
-        root = "train" if prog == "bert-train" else "prep"
+        root, name = CONFIGS[prog]
         try:
-            precheck(prog, os.path.join(REPO, "conf", root), root, overrides,
+            precheck(prog, os.path.join(REPO, "conf", root), name, overrides,
                      skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
         except SystemExit:
             pytest.fail(f"README: {line}")

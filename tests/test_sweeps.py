@@ -555,3 +555,20 @@ def test_summary_help_names_the_real_sweep_layout(capsys) -> None:
     with pytest.raises(SystemExit):
         ss.main(["--help"])
     assert "multirun/<name>/<YYYY-MM-DD_HH-MM-SS>" in " ".join(capsys.readouterr().out.split())
+
+
+def test_summary_ranks_by_the_downstream_score(tmp_path: Path) -> None:
+    """Trials that logged downstream_score (bert-train's `downstream` settings) rank by it,
+    highest first, with the MLM/NSP figures beside it; here the order is the opposite of the
+    MLM loss's, so a ranking by the loss or lowest first fails."""
+    sweep = tmp_path / "sweep"
+    for num, (loss, score) in enumerate([(3.0, 0.61), (4.0, 0.72), (5.0, 0.66)]):
+        make_member(sweep, str(num), [f"optim.lr={num}e-4"],
+                    train_log(loss) + [{"step": 3, "downstream_score": score,
+                                        "downstream_sst2": score}])
+    assert ss.default_mode("downstream_score") == "max"
+    summary = ss.summarize(sweep, "downstream_score", ss.default_mode("downstream_score"),
+                           out=None)
+    assert [t.job_num for t in summary.trials] == [1, 2, 0]
+    header = summary.table.splitlines()[1].split()
+    assert header[3:5] == ["downstream_score", "eval_mlm_loss"]

@@ -1,16 +1,20 @@
-"""BERT encoder with MLM + NSP pretraining heads (imports only torch).
+"""BERT encoder with MLM + NSP pretraining heads, and a sequence-classification head for
+fine-tuning (imports only torch).
 
 State-dict compatible with `transformers.BertForPreTraining`; speed switches live in `ModelImpl`.
 """
 
 from .bert import (BertForPreTraining, BertModel, EncoderOutput, PreTrainingOutput,
                    init_bert_weights)
+from .classifier import BertForSequenceClassification, ClassificationOutput
 from .config import BertConfig, ModelImpl
 from .layout import QuerySubset, TokenLayout
 
 __all__ = [
     "BertConfig",
     "BertForPreTraining",
+    "BertForSequenceClassification",
+    "ClassificationOutput",
     "BertModel",
     "EncoderOutput",
     "ModelImpl",

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import BertConfig, ModelImpl
-from .encoder import UNUSED_POSITION_KEY, BertEmbeddings, BertEncoder, BertPooler
+from .encoder import BertEmbeddings, BertEncoder, BertPooler, add_unused_position_table
 from .heads import BertLMPredictionHead, BertPreTrainingHeads
 from .layout import QuerySubset, TokenLayout
 
@@ -142,17 +142,10 @@ class BertForPreTraining(nn.Module):
             layer.attention.self.locality_slopes = tensor
 
     def hf_state_dict(self) -> dict:
-        """The state dict with transformers' key set.  For relative position types
-        transformers 4.x also holds `bert.embeddings.position_embeddings.weight`, a table it
-        creates and never reads (ours has no such parameter: DDP refuses unused ones); it is
-        added as zeros.  load_state_dict accepts either form."""
-        state = self.state_dict()
-        if self.config.position_embedding_type != "absolute":
-            ref = self.bert.embeddings.word_embeddings.weight
-            state["bert.embeddings." + UNUSED_POSITION_KEY] = torch.zeros(
-                self.config.max_position_embeddings, self.config.hidden_size, dtype=ref.dtype,
-                device=ref.device)
-        return state
+        """The state dict with transformers' key set (relative position types: plus the
+        absolute table transformers 4.x holds and never reads, as zeros; see
+        `add_unused_position_table`). load_state_dict accepts either form."""
+        return add_unused_position_table(self.state_dict(), self.config)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -32,6 +32,18 @@ def activation(name: str):
 UNUSED_POSITION_KEY = "position_embeddings.weight"
 
 
+def add_unused_position_table(state: dict, config: BertConfig) -> dict:
+    """transformers 4.x holds `bert.embeddings.position_embeddings.weight` also for relative
+    position types, a table it creates and never reads (ours has no such parameter: DDP refuses
+    unused ones): for its key set, add it as zeros."""
+    if config.position_embedding_type != "absolute":
+        ref = state["bert.embeddings.word_embeddings.weight"]
+        state["bert.embeddings." + UNUSED_POSITION_KEY] = torch.zeros(
+            config.max_position_embeddings, config.hidden_size, dtype=ref.dtype,
+            device=ref.device)
+    return state
+
+
 def _drop_unused_position_table(state_dict, prefix, *args) -> None:
     """Relative-position models: transformers' (and older checkpoints') unused absolute table."""
     state_dict.pop(prefix + UNUSED_POSITION_KEY, None)

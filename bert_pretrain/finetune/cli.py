@@ -1,0 +1,107 @@
+"""`bert-finetune` (and `python -m bert_pretrain.finetune` for `accelerate launch`): the Hydra
+entry.
+
+    bert-finetune task=sst2 model=runs/demo
+    bert-finetune task=rte model=exported/demo 'recipe.seeds=[1,2,3,4,5]'
+    bert-finetune task=custom task.train_file=train.csv task.validation_file=dev.csv \
+        'task.text_columns=[review]' model=runs/demo
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import sys
+
+from ..cpu_runtime import prefer_passive_omp_wait
+
+prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads it on load)
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from ..cli_errors import precheck, suggest_from  # noqa: E402
+from ..errors import UserError  # noqa: E402
+from .config import register  # noqa: E402
+
+register()
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "conf", "finetune")
+
+
+def fail(prog: str, message: str) -> None:
+    """One line, exit 2; under a launcher only the main process prints it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def finetune(s, config_yaml: str) -> dict:
+    """Fine-tune as `s` (FinetuneSettings) says; returns the grid's summary."""
+    from .grid import describe_summary, prepare_job, run_grid, say_main
+    from .pretrained import load_pretrained
+    from .runner import Session
+
+    session = Session.start(s.trainer)
+    say = say_main(session)
+    try:
+        pretrained = load_pretrained(s.model)
+        for note in pretrained.notes:
+            say(f"bert-finetune: warning: {note}")
+        job = prepare_job(s, pretrained, config_yaml, say)
+        cfg = pretrained.config
+        say(f"bert-finetune: {job.data.title}: {len(job.train):,} training examples, "
+            f"{' + '.join(f'{len(v):,}' for v in job.evals.values())} to score "
+            f"({job.data.source}); model {pretrained.source} ({cfg.num_hidden_layers} layers x "
+            f"{cfg.hidden_size}, {s.init} weights); {len(s.recipe.lrs)} lr x "
+            f"{len(s.recipe.seeds)} seed(s); {session.world} process(es), precision "
+            f"{session.precision} ({session.precision_reason}); out_dir {s.out_dir}")
+        summary = run_grid(session, job, s.out_dir, say)
+        say(f"bert-finetune: {describe_summary(summary)}")
+        say(f"  results: {os.path.join(s.out_dir, 'finetune.json')}"
+            + (f"; model: {summary['model_dir']}" if summary.get("model_dir") else ""))
+        return summary
+    finally:
+        session.accelerator.end_training()
+
+
+def guarded(prog: str, work):
+    """work(), with a UserError as the command's one error line."""
+    try:
+        return work()
+    except UserError as exc:
+        fail(prog, str(exc))
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="finetune")
+def _run(cfg: DictConfig) -> float:
+    from .config import finetune_settings
+
+    return guarded("bert-finetune", lambda: finetune(finetune_settings(cfg),
+                                                     OmegaConf.to_yaml(cfg, resolve=True))
+                   ["score"])
+
+
+def check_command_line(prog: str, config_name: str, schema) -> None:
+    """Compose once before Hydra runs: a misspelt key or option is one line (main process)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            precheck(prog, CONF_DIR, config_name, sys.argv[1:], suggest=suggest_from(schema))
+    finally:
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(captured.getvalue())
+            sys.stderr.flush()
+
+
+def main() -> None:
+    from .config import FinetuneConfig
+
+    check_command_line("bert-finetune", "finetune", FinetuneConfig)
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""A fine-tuned model as a directory that transformers' BertForSequenceClassification (and
+AutoModelForSequenceClassification, AutoTokenizer) loads with no code from this project:
+config.json (num_labels, id2label, problem_type), model.safetensors in transformers' key names,
+the tokenizer files; plus classifier.json, from which `load_classifier` rebuilds OUR model
+(also for pre-LN and, under transformers >= 5, relative-position encoders, which transformers
+cannot compute: their directory has no config.json, so nothing loads them as something else).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from ..errors import CheckpointError, UserError
+
+CLASSIFIER_JSON = "classifier.json"
+FILE_MODE = 0o644
+
+
+def hf_config(model, data) -> dict:
+    """transformers' config.json for `model` (UserError where transformers cannot compute it)."""
+    from ..export import representable
+
+    representable(model.config)
+    names = data.label_names or [f"LABEL_{i}" for i in range(model.num_labels)]
+    return {**model.config.to_hf_dict(), "architectures": ["BertForSequenceClassification"],
+            "num_labels": model.num_labels,
+            "id2label": {str(i): n for i, n in enumerate(names)},
+            "label2id": {n: i for i, n in enumerate(names)},
+            "problem_type": "regression" if model.num_labels == 1
+            else "single_label_classification",
+            "finetuning_task": data.name if data.name != "custom" else data.title}
+
+
+def save_classifier(model, data, tokenizer_dir: str, out_dir: str) -> bool:
+    """Write `model` (our BertForSequenceClassification) to `out_dir`, replacing it atomically.
+    Returns whether transformers can load it (config.json written)."""
+    from safetensors.torch import save_file
+
+    try:
+        config = hf_config(model, data)
+    except UserError:
+        config = None
+    tensors = {k: v.detach().float().contiguous().cpu().clone()
+               for k, v in model.hf_state_dict().items()}
+    ours = {"model_config": model.config.to_dict(), "num_labels": model.num_labels,
+            "label_names": data.label_names, "task": data.name, "title": data.title,
+            "metrics": list(data.metrics)}
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _dump(ours, os.path.join(tmp, CLASSIFIER_JSON))
+        if config is not None:
+            _dump(config, os.path.join(tmp, "config.json"))
+        for name in os.listdir(tokenizer_dir):
+            if os.path.isfile(os.path.join(tokenizer_dir, name)):
+                shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), FILE_MODE)
+        os.chmod(tmp, 0o755)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return config is not None
+
+
+def _dump(obj: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+
+
+def load_classifier(path: str):
+    """Our BertForSequenceClassification (eval mode) from a directory save_classifier wrote."""
+    from safetensors.torch import load_file
+
+    from ..model import BertConfig, BertForSequenceClassification
+
+    try:
+        with open(os.path.join(path, CLASSIFIER_JSON), encoding="utf-8") as f:
+            ours = json.load(f)
+        model = BertForSequenceClassification(BertConfig.from_dict(ours["model_config"]),
+                                              int(ours["num_labels"]))
+        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"cannot load the fine-tuned model in {path} "
+                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+                              ) from None
+    return model.eval()

@@ -1,0 +1,379 @@
+"""One fine-tune (one task, one peak learning rate, one seed) under accelerate, with the machinery
+of pretraining: the loss of a step is the global batch's (summed per micro-batch and scaled by
+processes / batch size, so DDP's averaging and accumulation add up to the global-batch
+gradient), dropout is seeded per (step, global micro-batch), and the example order per (seed,
+epoch): 1 process or N, with or without accumulation, interrupted and resumed or not, give the
+same model.
+
+    session = Session.start(trainer_cfg)
+    result = FineTune(session, job, lr=3e-5, seed=1, run_dir=...).run()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, TrainingError, UserError
+from . import scoring
+from .batches import TrainOrder, collate, eval_batches
+
+RESULT_FILE = "result.json"
+METRICS_FILE = "metrics.jsonl"
+MODEL_DIR = "model"
+
+
+class Stopped(UserError):
+    """SIGTERM / Ctrl-C: the fine-tune saved where it was; the same command continues it."""
+
+
+def dropout_seed(seed: int, step: int, micro_index: int) -> int:
+    """A seed per (step, global micro-batch), independent of the world size and of resumes
+    (its own stream of the counter-based hash pretraining's masks use)."""
+    from ..data import hash_uniform
+
+    return int(hash_uniform(seed, 5, np.int64(step), np.int64(micro_index), np.int64(0))
+               * (1 << 53))
+
+
+@dataclass
+class Session:
+    """The accelerator and process layout shared by every fine-tune of one command."""
+
+    accelerator: object
+    world: int
+    rank: int
+    main: bool
+    precision: str
+    precision_reason: str
+    policy: object = None
+    """precision.Precision: autocast, loss scaling (a fresh scaler per fine-tune: `scaler`)."""
+
+    @classmethod
+    def start(cls, trainer_cfg) -> "Session":
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
+
+        from ..cpu_runtime import keep_freed_memory
+        from ..precision import Precision
+
+        AcceleratorState._reset_state()  # several commands in one process (tests, sweeps)
+        on_cpu = trainer_cfg.cpu or not torch.cuda.is_available()
+        if on_cpu:
+            keep_freed_memory()
+        # Precision is ours (precision.py), as in pretraining: accelerate has no loss scaling
+        # on CPU.
+        acc = Accelerator(cpu=on_cpu, mixed_precision="no")
+        policy = Precision.resolve(trainer_cfg.mixed_precision, acc.device.type)
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and acc.num_processes == 1:
+            raise ConfigError(f"launched as {launched} processes but accelerate set up one; "
+                              f"check the launcher's device settings (trainer.cpu=true on CPU)")
+        if acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
+            raise ConfigError(f"accelerate is set up for {acc.distributed_type.name}; "
+                              f"bert-finetune runs under DDP or one process")
+        return cls(acc, acc.num_processes, acc.process_index, acc.is_main_process, policy.mode,
+                   policy.reason, policy)
+
+    def new_precision(self):
+        """The policy with a fresh grad scaler: every fine-tune finds its own loss scale."""
+        from ..precision import Precision
+
+        return Precision.resolve(self.precision, self.accelerator.device.type)
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def broadcast(self, value):
+        """The main process's `value` on every process."""
+        if self.world == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        box = [value]
+        broadcast_object_list(box)
+        return box[0]
+
+
+@dataclass
+class Job:
+    """What every (lr, seed) fine-tune of one task and model shares."""
+
+    settings: object
+    """FinetuneSettings (task, recipe, trainer, impl)."""
+    pretrained: object
+    """Pretrained (config, encoder weights, tokenizer)."""
+    data: object
+    """TaskData (for labels, metrics)."""
+    train: object
+    """Encoded training examples."""
+    evals: dict
+    """{split key: Encoded}"""
+    config_yaml: str
+    identity: dict
+    """Everything the results depend on except lr and seed (a rerun must match it)."""
+
+
+class FineTune:
+    def __init__(self, session: Session, job: Job, lr: float, seed: int, run_dir: str):
+        self.session, self.job, self.lr, self.seed = session, job, lr, seed
+        self.run_dir = run_dir
+        self.recipe, self.tc = job.settings.recipe, job.settings.trainer
+        self.identity = {**job.identity, "lr": lr, "seed": seed}
+        self.stop, self._window = _NoStop(), []
+
+    # ------------------------------------------------------------------ the run
+    def run(self, progress_desc: str = "") -> dict:
+        """Fine-tune (or resume, or return the saved result of a finished run) and score."""
+        done = self._finished_result()
+        if done is not None:
+            return done
+        self._setup()
+        start_time = time.perf_counter() - self.elapsed
+        bar = self._progress_bar(progress_desc)
+        from ..stop_request import StopRequest  # SIGTERM / Ctrl-C: finish the step, save
+
+        self.stop = StopRequest()
+        try:
+            while self.step < self.order.num_steps:
+                loss, stopping = self.train_step()
+                self.step += 1
+                self.elapsed = time.perf_counter() - start_time
+                self._log(loss)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.current_lr:.1e}")
+                if stopping or (self.step % self.tc.checkpoint_every == 0
+                                and self.step < self.order.num_steps):
+                    self.save()
+                if stopping:
+                    raise Stopped(f"stopped at step {self.step} of {self.order.num_steps} in "
+                                  f"{self.run_dir} (saved); run the same command again to "
+                                  f"continue")
+        finally:
+            bar.close()
+            self.stop.restore()
+            self.stop = _NoStop()
+        return self._finish()
+
+    def _finished_result(self) -> Optional[dict]:
+        file = os.path.join(self.run_dir, RESULT_FILE)
+        if not os.path.isfile(file):
+            return None
+        with open(file, encoding="utf-8") as f:
+            result = json.load(f)
+        self._check_identity(result.get("identity"), file)
+        return result
+
+    def _check_identity(self, saved: Optional[dict], where: str) -> None:
+        if saved == self.identity:
+            return
+        diff = sorted(k for k in set(saved or {}) | set(self.identity)
+                      if (saved or {}).get(k) != self.identity.get(k))
+        raise ConfigError(f"{where} is a fine-tune with other settings ({', '.join(diff)} "
+                          f"differ); choose another out_dir, or delete {self.run_dir} to "
+                          f"start it over")
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        from accelerate.utils import set_seed
+
+        from .. import checkpoint as ckpt
+        from ..checkpoint_manager import CheckpointManager
+        from ..model import BertForSequenceClassification, ModelImpl
+        from ..optim import OptimConfig, Schedule, SchedulerConfig, build_optimizer
+
+        session, job = self.session, self.job
+        acc, recipe = session.accelerator, self.recipe
+        config = job.pretrained.fine_tuning_config(recipe.dropout)
+        set_seed(self.seed)  # the head's (or, from random init, the whole model's) weights
+        model = BertForSequenceClassification(config, job.data.num_labels,
+                                              ModelImpl.from_dict(job.settings.impl))
+        if job.settings.init == "pretrained":
+            model.load_encoder(job.pretrained.encoder_state)
+        micro = self.tc.micro_batch_size or recipe.batch_size // session.world
+        self.order = TrainOrder(len(job.train), self.seed, recipe.epochs, recipe.batch_size,
+                                micro, session.world, session.rank)
+        optimizer = build_optimizer(OptimConfig(lr=self.lr, betas=list(recipe.betas),
+                                                eps=recipe.eps,
+                                                weight_decay=recipe.weight_decay),
+                                    model.named_parameters())
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.raw_model = model
+        warmup = int(round(recipe.warmup_ratio * self.order.num_steps))
+        self.schedule = Schedule(SchedulerConfig(name="linear"), self.order.num_steps, warmup)
+        self.step, self.elapsed, self.current_lr = 0, 0.0, 0.0
+        self.precision = session.new_precision()
+        self.checkpoints = CheckpointManager(self.run_dir, self.tc.keep_last_k, session.rank,
+                                             barrier=session.barrier)
+        resume = None
+        if session.main:
+            self.checkpoints.repair()
+            resume = self.checkpoints.latest()
+        resume = session.broadcast(resume)
+        if resume:
+            state = ckpt.read_train_state(resume, verify=False)  # the main process verified
+            self._check_identity(state.get("identity"), resume)
+            ckpt.load_weights(resume, model)
+            opt_state, extra, rng = ckpt.load_states(resume, session.rank)
+            self.optimizer.load_state_dict(opt_state)
+            self.precision.load_state_dict(extra.get("scaler"))
+            if rng is not None:
+                ckpt.set_rng_state(rng)
+            self.step, self.elapsed = int(state["step"]), float(state["elapsed_seconds"])
+        if session.main:
+            from ..metrics import truncate_jsonl
+
+            os.makedirs(self.run_dir, exist_ok=True)
+            metrics = os.path.join(self.run_dir, METRICS_FILE)
+            if os.path.isfile(metrics):
+                truncate_jsonl(metrics, self.step)  # records after the checkpoint are redone
+        self.model.train()
+
+    def _progress_bar(self, desc: str):
+        from ..progress import progress_bar
+
+        return progress_bar(self.order.num_steps, initial=self.step, unit="step",
+                            desc=desc or f"lr {self.lr:g} seed {self.seed}", leave=False,
+                            enabled=self.session.main and self.tc.progress_bar)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> tuple:
+        """One optimizer step on the next global batch: (its mean loss, stop requested)."""
+        from ..optim import set_lr
+
+        s, acc, recipe = self.session, self.session.accelerator, self.recipe
+        self.current_lr = self.lr * self.schedule.factor(self.step)
+        set_lr(self.optimizer, self.current_lr)
+        batches = self.order.micro_batches(self.step)
+        scale = s.world / recipe.batch_size  # DDP averages over processes; the batch sums
+        sums = torch.zeros(2, dtype=torch.float64, device=acc.device)  # loss, stop flag
+        for j, index in enumerate(batches):
+            torch.manual_seed(dropout_seed(self.seed, self.step,
+                                           s.rank * self.order.accumulation + j))
+            inputs = {k: v.to(acc.device) for k, v in collate(self.job.train, index).items()}
+            last = j == len(batches) - 1
+            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+                with self.precision.autocast():
+                    out = self.model(**inputs, loss_reduction="sum")
+                acc.backward(self.precision.scale(out.loss * scale))
+            sums[0] += out.loss.detach().double()
+        sums[1] = float(self.stop.requested)
+        if s.world > 1:
+            sums = acc.reduce(sums, reduction="sum")
+        loss = sums[0].item() / recipe.batch_size
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.precision.unscale(self.optimizer)
+        norm = None
+        if recipe.max_grad_norm is not None:
+            norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm))
+        finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
+        self.precision.step(self.optimizer, finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        # fp16: the grad scaler skips a step with inf/nan gradients and lowers its scale
+        if not finite and self.precision.scaler is None:
+            raise TrainingError(f"the fine-tuning loss or gradient became non-finite at step "
+                                f"{self.step} (lr {self.lr:g}); lower recipe.lrs or use "
+                                f"trainer.mixed_precision=no")
+        return loss, sums[1].item() > 0
+
+    def _log(self, loss: float) -> None:
+        if not self.session.main:
+            return
+        self._window.append(loss)
+        if self.step % self.tc.log_every and self.step != self.order.num_steps:
+            return
+        record = {"step": self.step, "loss": float(np.mean(self._window)),
+                  "lr": self.current_lr, "epoch": round(self.order.epoch(self.step), 4),
+                  "elapsed_s": round(self.elapsed, 2)}
+        self._window = []
+        with open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # ------------------------------------------------------------------ saving, scoring
+    def save(self) -> str:
+        s = self.session
+        return self.checkpoints.save(
+            self.step, model=self.raw_model, optimizer_state=self.optimizer.state_dict(),
+            extra_state={"scaler": self.precision.state_dict()},
+            train_state={"identity": self.identity, "elapsed_seconds": self.elapsed,
+                         "world_size": s.world, "num_steps": self.order.num_steps,
+                         "model_config": self.raw_model.config.to_dict(),
+                         "num_labels": self.raw_model.num_labels},
+            config_yaml=self.job.config_yaml, tokenizer_dir=None)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """The task's metrics on every evaluation split (all processes take part)."""
+        s, acc = self.session, self.session.accelerator
+        model = self.raw_model
+        model.eval()
+        splits = {}
+        for key, enc in self.job.evals.items():
+            rows = []
+            for index in eval_batches(enc, self.tc.eval_batch_size, s.world, s.rank):
+                inputs = {k: v.to(acc.device) for k, v in collate(enc, index).items()
+                          if k != "labels"}
+                with self.precision.autocast():
+                    logits = model(**inputs).logits
+                rows += list(zip(index.tolist(), logits.float().cpu().numpy()))
+            if s.world > 1:
+                from accelerate.utils import gather_object
+
+                rows = gather_object(rows)
+            logits = np.zeros((len(enc), model.num_labels), dtype=np.float64)
+            for i, row in rows:
+                logits[i] = row
+            splits[key] = (logits, enc.labels)
+        model.train()
+        return scoring.compute(self.job.data.metrics, splits)
+
+    def _finish(self) -> dict:
+        from ..checkpoint_manager import checkpoints_root
+        from .export import save_classifier
+
+        s = self.session
+        train_seconds = self.elapsed
+        start = time.perf_counter()
+        metrics = self.evaluate()
+        result = {"lr": self.lr, "seed": self.seed, "metrics": metrics,
+                  "score": scoring.task_score(metrics), "steps": self.order.num_steps,
+                  "train_seconds": round(train_seconds, 2),
+                  "eval_seconds": round(time.perf_counter() - start, 2),
+                  "precision": s.precision, "processes": s.world, "identity": self.identity}
+        if s.main:
+            with open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": self.step, **metrics, "score": result["score"]})
+                        + "\n")
+            if self.tc.save_model != "none":
+                save_classifier(self.raw_model, self.job.data, self.job.pretrained.tokenizer_dir,
+                                os.path.join(self.run_dir, MODEL_DIR))
+            _write_json(os.path.join(self.run_dir, RESULT_FILE), result)
+            # A finished fine-tune needs no resume state: result.json marks it done.
+            shutil.rmtree(checkpoints_root(self.run_dir), ignore_errors=True)
+        s.barrier()
+        return result
+
+
+def _write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+class _NoStop:
+    """No signal handlers (train_step called outside `run`, e.g. by a benchmark)."""
+
+    requested = False
+
+    def restore(self) -> None:
+        pass

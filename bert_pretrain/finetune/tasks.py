@@ -1,0 +1,159 @@
+"""What a fine-tuning task is: the nine GLUE tasks (their columns on the hub and in GLUE's own TSV
+files, label sets, official metrics) and `TaskConfig`, the `task` settings (`conf/finetune/task/`),
+which also describe any sentence or sentence-pair task read from CSV / TSV / JSON-lines files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman")
+"""f1: of the positive class (label 1), as GLUE scores MRPC and QQP; mcc: Matthews correlation."""
+
+
+@dataclass(frozen=True)
+class EvalSplit:
+    key: str
+    """The suffix of its metric names when a task has several (MNLI: m, mm), else ''."""
+    hub: str
+    """The split's name on the hub / in a save_to_disk folder."""
+    tsv: str
+    """GLUE's file for it."""
+
+
+@dataclass(frozen=True)
+class GlueTask:
+    name: str
+    """The hub's config name (and `task=` option): sst2, mnli, ..."""
+    title: str
+    """GLUE's name, the folder of its TSV files and the table's column (SST-2, MNLI, ...)."""
+    hub_columns: Tuple[str, ...]
+    """Text columns on the hub (one: sentence task, two: sentence pair)."""
+    tsv_columns: Tuple[str, ...]
+    """The same columns in GLUE's TSV files (names in their header, or indices for CoLA's
+    header-less files)."""
+    tsv_label: str
+    num_labels: int
+    """1: regression (STS-B's 0-5 similarity)."""
+    metrics: Tuple[str, ...]
+    tsv_label_names: Optional[Tuple[str, ...]] = None
+    """Labels written as words in the TSV files, in the hub's id order."""
+    tsv_header: bool = True
+    evals: Tuple[EvalSplit, ...] = (EvalSplit("", "validation", "dev.tsv"),)
+
+
+GLUE_TASKS = {t.name: t for t in (
+    GlueTask("cola", "CoLA", ("sentence",), ("3",), "1", 2, ("mcc",), tsv_header=False),
+    GlueTask("sst2", "SST-2", ("sentence",), ("sentence",), "label", 2, ("accuracy",)),
+    GlueTask("mrpc", "MRPC", ("sentence1", "sentence2"), ("#1 String", "#2 String"), "Quality",
+             2, ("f1", "accuracy")),
+    GlueTask("stsb", "STS-B", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "score",
+             1, ("pearson", "spearman")),
+    GlueTask("qqp", "QQP", ("question1", "question2"), ("question1", "question2"),
+             "is_duplicate", 2, ("f1", "accuracy")),
+    GlueTask("mnli", "MNLI", ("premise", "hypothesis"), ("sentence1", "sentence2"),
+             "gold_label", 3, ("accuracy",), ("entailment", "neutral", "contradiction"),
+             evals=(EvalSplit("m", "validation_matched", "dev_matched.tsv"),
+                    EvalSplit("mm", "validation_mismatched", "dev_mismatched.tsv"))),
+    GlueTask("qnli", "QNLI", ("question", "sentence"), ("question", "sentence"), "label", 2,
+             ("accuracy",), ("entailment", "not_entailment")),
+    GlueTask("rte", "RTE", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "label", 2,
+             ("accuracy",), ("entailment", "not_entailment")),
+    GlueTask("wnli", "WNLI", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "label", 2,
+             ("accuracy",)),
+)}
+# The order of the BERT paper's GLUE table (Devlin et al. 2019, Table 1), WNLI last: GLUE's
+# average leaves it out, as the paper and every anchor since did (its dev set is adversarial).
+TABLE_ORDER = ("mnli", "qqp", "qnli", "sst2", "cola", "stsb", "mrpc", "rte", "wnli")
+# Small tasks (minutes each on a CPU for a BERT-mini): the quick look for small budgets.
+FAST_SUBSET = ("sst2", "mrpc", "rte", "stsb", "cola")
+NOT_AVERAGED = ("wnli",)
+CUSTOM = "custom"
+
+
+@dataclass
+class TaskConfig:
+    """`conf/finetune/task/`: what to fine-tune on."""
+
+    name: str = "???"
+    """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or custom (files)."""
+    data_dir: Optional[str] = None
+    """GLUE tasks: a local copy, either GLUE's folder for the task (train.tsv, dev.tsv, as
+    GLUE's download script writes them) or a `datasets` save_to_disk folder; null = the
+    Hugging Face hub (nyu-mll/glue, needs a network)."""
+    train_file: Optional[str] = None
+    """custom: the training examples (.csv, .tsv, or .jsonl / .json with one object a line)."""
+    validation_file: Optional[str] = None
+    """custom: the examples to score (same format)."""
+    text_columns: List[str] = field(default_factory=list)
+    """custom: one column (a sentence task) or two (a sentence-pair task)."""
+    label_column: str = "label"
+    """custom: the label column: integers 0..num_labels-1, words (see label_names) or, for
+    regression, numbers."""
+    num_labels: Optional[int] = None
+    """custom: classes; 1 = regression; null = the number of distinct labels in train_file."""
+    label_names: Optional[List[str]] = None
+    """custom: labels given as words, in id order (null with word labels: sorted)."""
+    metrics: List[str] = field(default_factory=list)
+    """custom: from accuracy, f1, mcc, pearson, spearman; empty = accuracy (classes) or
+    pearson + spearman (regression). The task's score is their mean."""
+    max_train_samples: Optional[int] = None
+    """Fine-tune on this many training examples (a fixed random subset, the same for every
+    seed, learning rate and model); null = all."""
+    max_eval_samples: Optional[int] = None
+    """Score on the first N examples of each evaluation split; null = all."""
+
+    def __post_init__(self) -> None:
+        if self.name == "???":  # the schema's placeholder (Hydra fills it in before validating)
+            return
+        if self.name != CUSTOM and self.name not in GLUE_TASKS:
+            import difflib
+
+            close = difflib.get_close_matches(str(self.name), [*GLUE_TASKS, CUSTOM], n=1)
+            raise ValueError(f"task.name {self.name!r} is not a task: use one of "
+                             f"{', '.join(GLUE_TASKS)} or custom (your own files)"
+                             + (f"; did you mean {close[0]}?" if close else ""))
+        for key in ("max_train_samples", "max_eval_samples"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"task.{key} must be >= 1 or null, got {value}")
+        if self.name != CUSTOM:
+            return
+        for key in ("train_file", "validation_file"):
+            if not getattr(self, key):
+                raise ValueError(f"task=custom needs task.{key}=<.csv, .tsv or .jsonl file>")
+        if len(self.text_columns) not in (1, 2):
+            raise ValueError(f"task.text_columns must name one column (sentence task) or two "
+                             f"(sentence pair), got {list(self.text_columns)}")
+        if self.num_labels is not None and self.num_labels < 1:
+            raise ValueError(f"task.num_labels must be >= 1 (1 = regression) or null, got "
+                             f"{self.num_labels}")
+        bad = [m for m in self.metrics if m not in METRICS]
+        if bad:
+            raise ValueError(f"task.metrics: {bad} not known; use some of {', '.join(METRICS)}")
+        if self.label_names is not None and self.num_labels not in (None, len(self.label_names)):
+            raise ValueError(f"task.label_names has {len(self.label_names)} names but "
+                             f"task.num_labels is {self.num_labels}")
+
+    @property
+    def glue(self) -> Optional[GlueTask]:
+        return GLUE_TASKS.get(self.name)
+
+    @property
+    def title(self) -> str:
+        return self.glue.title if self.glue else CUSTOM
+
+
+def resolve_tasks(tasks) -> list:
+    """`all`, `fast` or a list of GLUE task names -> the names, in the table's order."""
+    if isinstance(tasks, str):
+        if tasks == "all":
+            return list(TABLE_ORDER)
+        if tasks == "fast":
+            return [t for t in TABLE_ORDER if t in FAST_SUBSET]
+        tasks = [tasks]
+    unknown = [t for t in tasks if t not in GLUE_TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"tasks: {unknown or 'none given'}: use all, fast "
+                         f"({', '.join(FAST_SUBSET)}) or a list of {', '.join(TABLE_ORDER)}")
+    return [t for t in TABLE_ORDER if t in tasks]

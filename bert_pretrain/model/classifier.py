@@ -1,0 +1,82 @@
+"""Sequence classification / regression on our encoder: `BertForSequenceClassification` in
+transformers' layout (`bert.*` including the pooler, dropout, `classifier` linear), so a
+fine-tuned model exports as a directory transformers' class of the same name loads.
+
+Being our encoder, pre-LN and relative-position models fine-tune too, with the pretraining
+speed-ups: padding dropped before the projections (`impl.unpad`), attention over length groups
+(`impl.varlen_attention`), and the last layer computed for the [CLS] rows only
+(`impl.sparse_last_layer`: nothing else is read after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .bert import BertModel, init_bert_weights
+from .config import BertConfig, ModelImpl
+from .dropout import Dropout
+from .encoder import add_unused_position_table
+
+
+@dataclass
+class ClassificationOutput:
+    loss: torch.Tensor | None
+    """Cross-entropy (num_labels > 1) or squared error (num_labels == 1, regression) over the
+    batch: its mean, or its sum with `loss_reduction="sum"`; None without labels."""
+    logits: torch.Tensor
+    """[B, num_labels]"""
+
+
+class BertForSequenceClassification(nn.Module):
+    def __init__(self, config: BertConfig, num_labels: int, impl: ModelImpl | None = None,
+                 classifier_dropout: float | None = None):
+        """`num_labels` 1 is regression (transformers' convention); `classifier_dropout` None
+        takes the encoder's hidden_dropout_prob, as transformers does."""
+        super().__init__()
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
+        self.config = config
+        self.impl = impl or ModelImpl()
+        self.num_labels = num_labels
+        self.bert = BertModel(config, self.impl)
+        p = config.hidden_dropout_prob if classifier_dropout is None else classifier_dropout
+        self.dropout = Dropout(p, self.impl.fast_dropout)
+        self.classifier = nn.Linear(config.hidden_size, num_labels)
+        for module in self.modules():
+            init_bert_weights(module, config.initializer_range)
+
+    def load_encoder(self, state_dict: dict) -> None:
+        """Take `bert.*` (embeddings, layers, pooler) from a pretraining state dict (ours or
+        transformers' key names); the classifier keeps its fresh initialisation."""
+        encoder = {k[len("bert."):]: v for k, v in state_dict.items() if k.startswith("bert.")}
+        self.bert.load_state_dict(encoder, strict=True)
+
+    def hf_state_dict(self) -> dict:
+        """transformers' key set (see BertForPreTraining.hf_state_dict)."""
+        return add_unused_position_table(self.state_dict(), self.config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_reduction: str = "mean") -> ClassificationOutput:
+        """`loss_reduction="sum"` lets a trainer normalise by a whole global batch's size."""
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
+        keep = None
+        if self.impl.sparse_last_layer:
+            # Only the pooled [CLS] vector is read: the last layer computes that row alone.
+            keep = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+        pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=keep).pooled_output
+        logits = self.classifier(self.dropout(pooled))
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = F.mse_loss(logits.float().squeeze(-1), labels.float().reshape(-1),
+                                  reduction=loss_reduction)
+            else:
+                loss = F.cross_entropy(logits.float(), labels.reshape(-1),
+                                       reduction=loss_reduction)
+        return ClassificationOutput(loss, logits)

@@ -1,0 +1,223 @@
+"""bert-finetune end to end on tasks the tests write (labels that depend on the text): it learns
+them, 1 process equals 2, an interrupted fine-tune resumes exactly, the fine-tuned model loads
+in transformers with the same logits, a finished grid is not redone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune_support import (FAST, finetune_in_process, pair_task, pretrained_run,
+                              sentence_task)
+from time_limits import hang_limit
+from train_support import REPO
+
+ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return pretrained_run(str(tmp_path_factory.mktemp("pretrained")))
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tasks")
+    return {"sentence": sentence_task(str(root / "sentence")),
+            "pair": pair_task(str(root / "pair"))}
+
+
+@pytest.mark.parametrize("kind", ["sentence", "pair"])
+def test_fine_tuning_beats_the_majority_class_clearly(kind, run, tasks, tmp_path, one_thread):
+    """The dev sets are balanced (majority class: 50%); the label is whether w0 is in the
+    (first) sentence, so only a model that reads the text gets it."""
+    summary = finetune_in_process([*tasks[kind], f"model={run}", *FAST,
+                                   f"out_dir={tmp_path}"])
+    assert summary["metrics"]["accuracy"] >= 0.8, summary["metrics"]
+    assert summary["checkpoint"].endswith("step-00000020")  # the run's newest checkpoint
+    saved = json.loads((tmp_path / "finetune.json").read_text())
+    assert saved["score"] == summary["score"] and saved["best_lr"] == 1e-3
+    assert sorted(os.listdir(tmp_path / "model")) == sorted(
+        ["classifier.json", "config.json", "model.safetensors", "vocab.txt"])
+
+
+def _weights(directory) -> dict:
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_grid_reports_the_median_and_the_best_lr(run, tasks, tmp_path, one_thread):
+    summary = finetune_in_process([*tasks["sentence"], f"model={run}", *FAST,
+                                   "recipe.lrs=[1e-5,1e-3]", "recipe.seeds=[1,2,3]",
+                                   "recipe.epochs=1", f"out_dir={tmp_path}"])
+    by_lr = {g["lr"]: g for g in summary["grid"]}
+    for g in by_lr.values():
+        scores = [r["score"] for r in g["runs"]]
+        assert g["score"] == pytest.approx(float(np.median(scores)))
+        assert g["score_range"] == [min(scores), max(scores)]
+    assert summary["best_lr"] == max(by_lr, key=lambda lr: by_lr[lr]["score"])
+    assert summary["score"] == by_lr[summary["best_lr"]]["score"]
+    # the kept model is the best lr's median seed: its logits score what that run scored
+    median = sorted(by_lr[summary["best_lr"]]["runs"], key=lambda r: r["score"])[1]
+    kept = json.loads((tmp_path / f"lr{summary['best_lr']:g}-seed{median['seed']}" /
+                       "result.json").read_text())
+    assert kept["score"] == median["score"]
+    assert os.path.isdir(tmp_path / "model")
+    assert not any(os.path.isdir(tmp_path / d / "model") for d in os.listdir(tmp_path)
+                   if d.startswith("lr"))
+    # a finished grid is read back, not fine-tuned again
+    again = finetune_in_process([*tasks["sentence"], f"model={run}", *FAST,
+                                 "recipe.lrs=[1e-5,1e-3]", "recipe.seeds=[1,2,3]",
+                                 "recipe.epochs=1", f"out_dir={tmp_path}"])
+    assert again["grid"] == summary["grid"]
+
+
+def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch, one_thread):
+    from bert_pretrain.checkpoint_manager import list_checkpoints
+    from bert_pretrain.finetune.runner import FineTune
+
+    common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1",
+              "trainer.checkpoint_every=10", "trainer.save_model=all"]
+    whole = finetune_in_process([*common, f"out_dir={tmp_path / 'whole'}"])
+    real_step = FineTune.train_step
+
+    def crash_at_25(self):
+        if self.step == 25:
+            raise RuntimeError("killed")
+        return real_step(self)
+
+    monkeypatch.setattr(FineTune, "train_step", crash_at_25)
+    with pytest.raises(RuntimeError, match="killed"):
+        finetune_in_process([*common, f"out_dir={tmp_path / 'cut'}"])
+    member = tmp_path / "cut" / "lr0.001-seed1"
+    assert [s for s, _ in list_checkpoints(str(member))] == [20]
+    monkeypatch.setattr(FineTune, "train_step", real_step)
+    resumed = finetune_in_process([*common, f"out_dir={tmp_path / 'cut'}"])
+    a, b = _weights(tmp_path / "whole" / "lr0.001-seed1" / "model"), _weights(member / "model")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert resumed["metrics"] == whole["metrics"]
+    records = [json.loads(line) for line in (member / "metrics.jsonl").open()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == list(range(1, 97))  # steps 21-25 of the cut run were logged once
+    assert records[-1]["accuracy"] == whole["metrics"]["accuracy"]
+    assert not os.path.exists(member / "checkpoints")  # finished: resume state removed
+
+
+def test_a_different_setting_in_the_same_out_dir_is_refused(run, tasks, tmp_path, one_thread):
+    from bert_pretrain.errors import ConfigError
+
+    base = [*tasks["sentence"], f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={tmp_path}"]
+    finetune_in_process(base)
+    with pytest.raises(ConfigError, match="other settings .*recipe"):
+        finetune_in_process([*base, "recipe.max_length=24"])
+
+
+def test_export_loads_in_transformers_with_the_same_logits(run, tasks, tmp_path, one_thread):
+    transformers = pytest.importorskip("transformers")
+    from bert_pretrain.finetune.export import load_classifier
+
+    finetune_in_process([*tasks["pair"], f"model={run}", *FAST, "recipe.epochs=1",
+                         f"out_dir={tmp_path}"])
+    model_dir = str(tmp_path / "model")
+    theirs = transformers.BertForSequenceClassification.from_pretrained(model_dir).eval()
+    assert theirs.config.id2label == {0: "other", 1: "first"}
+    assert theirs.config.problem_type == "single_label_classification"
+    ours = load_classifier(model_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    batch = tokenizer(["w0 w3 w5", "w7 w8"], ["w1 w2", "w0 w4 w6 w9"], padding=True,
+                      return_tensors="pt")
+    with torch.no_grad():
+        a = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).logits
+        b = theirs(**batch).logits
+        auto = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+        c = auto(**batch).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(c, b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(a[0], a[1])  # the fine-tuned head tells the two apart
+
+
+def test_regression_exports_as_regression(run, tmp_path, one_thread):
+    transformers = pytest.importorskip("transformers")
+    from finetune_support import sentence_examples, write_csv
+
+    rows = [(s, 0.5 + 3.0 * y) for s, y in sentence_examples(64, 5)]
+    train = write_csv(str(tmp_path / "train.tsv"), ["text", "score"], rows, delimiter="\t")
+    summary = finetune_in_process(
+        ["task=custom", f"task.train_file={train}", f"task.validation_file={train}",
+         "task.text_columns=[text]", "task.label_column=score", "task.num_labels=1",
+         f"model={run}", *FAST, "recipe.epochs=2", f"out_dir={tmp_path / 'out'}"])
+    assert set(summary["metrics"]) == {"pearson", "spearman"}
+    theirs = transformers.BertForSequenceClassification.from_pretrained(
+        str(tmp_path / "out" / "model"))
+    assert theirs.config.num_labels == 1 and theirs.config.problem_type == "regression"
+
+
+def _launch(args: list, processes: int) -> None:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": REPO}
+    if processes == 1:
+        cmd = [sys.executable, "-m", "bert_pretrain.finetune", *args]
+    else:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               ACCELERATE_CONFIG, "--num_processes", str(processes), "--main_process_port",
+               str(port), "-m", "bert_pretrain.finetune", *args]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+def test_two_processes_equal_one(run, tasks, tmp_path):
+    """2 processes x micro-batch 8 against 1 process x 2 micro-batches of 8: the same global
+    batches, dropout masks and losses, so the same fine-tuned weights and dev predictions."""
+    common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1", "recipe.epochs=2",
+              "trainer.save_model=all", "trainer.micro_batch_size=8"]
+    _launch([*common, f"out_dir={tmp_path / 'one'}"], 1)
+    _launch([*common, f"out_dir={tmp_path / 'two'}"], 2)
+    member = "lr0.001-seed1"
+    one, two = (json.loads((tmp_path / d / member / "result.json").read_text())
+                for d in ("one", "two"))
+    assert (one["processes"], two["processes"]) == (1, 2)
+    for key in one["metrics"]:
+        assert one["metrics"][key] == pytest.approx(two["metrics"][key], abs=1e-9)
+    a, b = _weights(tmp_path / "one" / member / "model"), _weights(tmp_path / "two" / member /
+                                                                    "model")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-4, msg=key)
+    losses = [[json.loads(line).get("loss") for line in (tmp_path / d / member /
+                                                          "metrics.jsonl").open()]
+              for d in ("one", "two")]
+    assert len(losses[0]) == len(losses[1])  # one writer
+    for x, y in zip(*losses):
+        assert (x is None and y is None) or abs(x - y) < 1e-5
+
+
+def test_pre_ln_relative_position_encoder_fine_tunes(tasks, tmp_path, one_thread):
+    """Our encoder, so the architectures transformers cannot compute fine-tune too; their kept
+    model has no config.json (nothing would load it as another model) and reloads as ours."""
+    from bert_pretrain.finetune.export import load_classifier
+    from train_support import train_in_process, write_prepared
+
+    prepared = write_prepared(str(tmp_path / "prep"), num_train=64, num_valid=8)
+    run_dir = str(tmp_path / "run")
+    train_in_process(["experiment=smoke", f"data.dir={prepared}", f"run_dir={run_dir}",
+                      "trainer.max_steps=20", "trainer.eval_every=0", "model.pre_layer_norm=true",
+                      "model.position_embedding_type=relative_key"])
+    summary = finetune_in_process([*tasks["sentence"], f"model={run_dir}", *FAST,
+                                   f"out_dir={tmp_path / 'out'}"])
+    assert summary["metrics"]["accuracy"] >= 0.8, summary["metrics"]
+    model_dir = tmp_path / "out" / "model"
+    assert not (model_dir / "config.json").exists()
+    model = load_classifier(str(model_dir))
+    assert model.config.pre_layer_norm and model.config.position_embedding_type == "relative_key"

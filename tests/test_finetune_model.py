@@ -1,0 +1,89 @@
+"""BertForSequenceClassification: the same logits, loss and gradients as transformers' class of
+that name on the same weights, with every speed switch on or off; the encoder comes from a
+pretraining state dict."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from bert_pretrain.model import (BertConfig, BertForPreTraining, BertForSequenceClassification,
+                                 ModelImpl)
+
+transformers = pytest.importorskip("transformers")
+
+CFG = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=40, hidden_dropout_prob=0.0,
+                 attention_probs_dropout_prob=0.0)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 50, (4, 16), generator=g)
+    ids[:, 0] = 2
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((16, 9, 5, 12)):
+        mask[row, length:] = 0
+    ids = ids * mask
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1
+    return ids, mask, types * mask
+
+
+def _theirs(ours, num_labels):
+    cfg = transformers.BertConfig(**{**CFG.to_hf_dict(), "num_labels": num_labels,
+                                     "architectures": ["BertForSequenceClassification"]})
+    model = transformers.BertForSequenceClassification(cfg)
+    model.load_state_dict(ours.hf_state_dict(), strict=True)
+    return model
+
+
+@pytest.mark.parametrize("switches", [{}, {"unpad": False}, {"sparse_last_layer": False},
+                                      {"varlen_attention": False}, {"attention": "sdpa"}])
+@pytest.mark.parametrize("num_labels", [3, 1])
+def test_same_logits_loss_and_gradients_as_transformers(switches, num_labels):
+    torch.manual_seed(0)
+    ours = BertForSequenceClassification(CFG, num_labels,
+                                         dataclasses.replace(ModelImpl(), **switches))
+    theirs = _theirs(ours, num_labels)
+    ids, mask, types = _inputs()
+    labels = torch.tensor([0, 2, 1, 2]) if num_labels > 1 else torch.tensor([0.5, 1.0, 3.0, 2.0])
+    a = ours(ids, mask, types, labels=labels)
+    b = theirs(input_ids=ids, attention_mask=mask, token_type_ids=types, labels=labels)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
+    a.loss.backward()
+    b.loss.backward()
+    theirs_grads = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs_grads[name].grad, atol=1e-5, rtol=1e-4,
+                                   msg=name)
+
+
+def test_summed_loss_is_the_mean_times_the_batch():
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(CFG, 2)
+    ids, mask, types = _inputs()
+    labels = torch.tensor([0, 1, 1, 0])
+    mean = model(ids, mask, types, labels=labels).loss
+    total = model(ids, mask, types, labels=labels, loss_reduction="sum").loss
+    torch.testing.assert_close(total, mean * 4)
+
+
+def test_encoder_comes_from_pretraining_and_the_head_is_fresh():
+    torch.manual_seed(1)
+    pretrained = BertForPreTraining(CFG)
+    torch.manual_seed(2)
+    model = BertForSequenceClassification(CFG, 2)
+    model.load_encoder(pretrained.state_dict())
+    ids, mask, types = _inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model.bert(ids, mask, types).pooled_output,
+                                   pretrained.bert(ids, mask, types).pooled_output)
+    assert model.classifier.weight.std().item() == pytest.approx(CFG.initializer_range, rel=0.3)
+    assert torch.all(model.classifier.bias == 0)
+
+
+def test_bad_num_labels():
+    with pytest.raises(ValueError, match="num_labels must be a positive integer"):
+        BertForSequenceClassification(CFG, 0)
