@@ -191,6 +191,33 @@ def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[floa
     return time.perf_counter() - t, time.process_time() - c
 
 
+def time_alternating(models: dict, batch_fn, flops_fn, cfg, batch_size: int, seq_len: int,
+                     args, dtype) -> tuple:
+    """Train every model on the same batches, one step each per batch, who goes first
+    alternating (a machine that slows down slows all alike); the first args.warmup steps are
+    not counted. Returns (step times, CPU times per model, real tokens and useful FLOPs per
+    batch, the other processes' load in cores)."""
+    gen = torch.Generator().manual_seed(args.seed)
+    names = list(models)
+    times = {n: [] for n in names}
+    cpu_times = {n: [] for n in names}
+    tokens, flops = [], []
+    load = OtherLoad()
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            load = OtherLoad()
+        batch = batch_fn(batch_size, seq_len, cfg.vocab_size, gen, args.device)
+        for name in (names if step % 2 == 0 else names[::-1]):
+            elapsed, cpu = train_step(*models[name], batch, args.device, dtype)
+            if step >= args.warmup:
+                times[name].append(elapsed)
+                cpu_times[name].append(cpu)
+        if step >= args.warmup:
+            tokens.append(batch["attention_mask"].sum().item())
+            flops.append(flops_fn(cfg, batch))
+    return times, cpu_times, tokens, flops, load.cores()
+
+
 def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
               peaks) -> list[dict]:
     dtype = DTYPES[dtype_name]
@@ -206,26 +233,9 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
     if args.compile:
         names.append("ours-compiled")
     models = build_models(cfg, names, args.device, args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-    times = {n: [] for n in names}
-    cpu_times = {n: [] for n in names}
-    tokens, flops = [], []
-    load = OtherLoad()
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            load = OtherLoad()
-        batch = make_batch(batch_size, seq_len, cfg.vocab_size, gen, args.device)
-        order = names if step % 2 == 0 else names[::-1]  # alternate who goes first
-        for name in order:
-            model, opt = models[name]
-            elapsed, cpu = train_step(model, opt, batch, args.device, dtype)
-            if step >= args.warmup:
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
-        if step >= args.warmup:
-            tokens.append(batch["attention_mask"].sum().item())
-            flops.append(step_flops(cfg, batch))
-    other_cores = load.cores()
+    times, cpu_times, tokens, flops, other_cores = time_alternating(
+        {n: models[n] for n in names}, make_batch, step_flops, cfg, batch_size, seq_len, args,
+        dtype)
     del models
     mean_tokens, mean_flops = statistics.mean(tokens), statistics.mean(flops)
     rows = []
@@ -478,24 +488,8 @@ def bench_finetune_one(preset: str, batch_size: int, seq_len: int, dtype_name: s
     for name, model in (("ours-finetune", ours), ("transformers-finetune", theirs)):
         model.to(args.device).train()
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-5, fused=True))
-    gen = torch.Generator().manual_seed(args.seed)
-    times = {n: [] for n in models}
-    cpu_times = {n: [] for n in models}
-    tokens, flops = [], []
-    load = OtherLoad()
-    for step in range(args.warmup + args.steps):
-        if step == args.warmup:
-            load = OtherLoad()
-        batch = make_finetune_batch(batch_size, seq_len, cfg.vocab_size, gen, args.device)
-        for name in (list(models) if step % 2 == 0 else list(models)[::-1]):
-            elapsed, cpu = train_step(*models[name], batch, args.device, dtype)
-            if step >= args.warmup:
-                times[name].append(elapsed)
-                cpu_times[name].append(cpu)
-        if step >= args.warmup:
-            tokens.append(batch["attention_mask"].sum().item())
-            flops.append(finetune_flops(cfg, batch))
-    other = load.cores()
+    times, cpu_times, tokens, flops, other = time_alternating(
+        models, make_finetune_batch, finetune_flops, cfg, batch_size, seq_len, args, dtype)
     base = statistics.median(times["transformers-finetune"])
     base_cpu = statistics.median(cpu_times["transformers-finetune"])
     return [dict(preset=preset, batch_size=batch_size, seq_len=seq_len, dtype=dtype_name,
