@@ -14,11 +14,11 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 # The demo's data: the README's prep command is this one.
-DEMO_DATA := prepared/builtin128
+DEMO_DATA := prepared/builtin64
 DEMO_RUN := runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-slow test-all demo demo-clean bench clean clean-venv
+.PHONY: help install test test-slow test-all demo demo-readme demo-clean bench clean clean-venv
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -43,8 +43,11 @@ test-all: install ## Run every test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU, evaluate it
-	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05
+	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05 max_seq_length=64 max_predictions_per_seq=10 tokenizer.vocab_size=8192
 	$(VENV)/bin/bert-train experiment=demo
+
+demo-readme: demo ## Rewrite README.md's demo output block from the demo run (bench/demo_check.py)
+	$(PY) bench/demo_check.py $(DEMO_RUN) --data $(DEMO_DATA) --readme README.md
 
 demo-clean: ## Remove the demo's prepared data and run (the next `make demo` starts afresh)
 	rm -rf $(DEMO_DATA) $(DEMO_RUN)

@@ -103,7 +103,7 @@ def test_experiments_train_in_sequence(prepared, tmp_path):
     p1 = settings(compose(["experiment=bert_base_phase1"]))
     assert p1.data.dir == "prepared/wiki128" and p1.trainer.global_batch_size == 65536
     demo = settings(compose(["experiment=demo"]))
-    assert demo.data.dir == "prepared/builtin128" and demo.trainer.budget_hours == 0.05
+    assert demo.data.dir == "prepared/builtin64" and demo.trainer.budget_hours == 0.05
     assert (demo.name, demo.run_dir) == ("demo", "runs/demo")  # experiments set the run name
     assert settings(compose(["experiment=demo", "name=x"])).run_dir == "runs/x"
 
