@@ -114,5 +114,9 @@ def test_demo_recipe_learns_from_context(demo_data, tmp_path, one_thread):
     assert s["nsp_accuracy"] > 0.58            # 428 held-out pairs: chance is 0.50 +- 0.024
     right = s["fill_mask_right"]
     in_top = sum(f["answer"] in f["top"] for f in s["fill_mask"])
-    assert right >= len(demo_check.SENTENCES) // 2 + 1, s["fill_mask"]     # most of them
-    assert in_top >= len(demo_check.SENTENCES) - 1, s["fill_mask"]
+    # A model at the unigram level answers "the" or "." everywhere: 0 right, 0 in its top 3.
+    # Observed: 5 of 5 right in make demo's quiet run (3,716 steps, 2 threads), 3 of 5 (4 in
+    # the top 3) in this test's one-thread run; which sentences come right moves with the
+    # kernels (bf16 or fp32, thread count), so the bound leaves room below the observed.
+    assert right >= 2, s["fill_mask"]
+    assert in_top >= 3, s["fill_mask"]
