@@ -84,6 +84,31 @@ def test_encoder_comes_from_pretraining_and_the_head_is_fresh():
     assert torch.all(model.classifier.bias == 0)
 
 
+def test_an_mlm_only_encoder_gets_a_fresh_pooler():
+    """RoBERTa's recipe (packing=full_sentences) pretrains no pooler: the classifier takes the
+    rest and initialises the pooler, as transformers' class does from a BertForMaskedLM."""
+    mlm_only = dataclasses.replace(CFG, next_sentence_prediction=False)
+    torch.manual_seed(1)
+    pretrained = BertForPreTraining(mlm_only)
+    assert not any(k.startswith("bert.pooler.") for k in pretrained.state_dict())
+    torch.manual_seed(2)
+    model = BertForSequenceClassification(mlm_only, 2)
+    assert model.load_encoder(pretrained.state_dict()) is False
+    for name, tensor in pretrained.bert.state_dict().items():
+        torch.testing.assert_close(model.bert.state_dict()[name], tensor, msg=name)
+    assert model.bert.pooler.dense.weight.std().item() == pytest.approx(CFG.initializer_range,
+                                                                        rel=0.3)
+    ids, mask, types = _inputs()
+    out = model(ids, mask, types, labels=torch.tensor([0, 1, 1, 0]))
+    assert out.logits.shape == (4, 2) and torch.isfinite(out.loss)
+    # A pooler is the only thing allowed to be missing: a state dict without layers is refused.
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_encoder({k: v for k, v in pretrained.state_dict().items()
+                            if ".layer.0." not in k})
+    assert BertForSequenceClassification(CFG, 2).load_encoder(
+        BertForPreTraining(CFG).state_dict()) is True
+
+
 def test_bad_num_labels():
     with pytest.raises(ValueError, match="num_labels must be a positive integer"):
         BertForSequenceClassification(CFG, 0)

@@ -57,6 +57,9 @@ def load_pretrained(path: str) -> Pretrained:
     # BertModel or BertForMaskedLM directory lacks do not matter here.
     notes = [f"{path} has no pooler weights: freshly initialised, as transformers does"
              for w in caught if "bert.pooler" in str(w.message)]
+    if not getattr(loaded.model.config, "next_sentence_prediction", True):
+        notes.append(f"{path} is an MLM-only model (no pooler): the classifier's pooler is "
+                     f"freshly initialised, as transformers does")
     if loaded.tokenizer_dir is None:
         raise CheckpointError(f"{loaded.source} has no tokenizer (vocab.txt or tokenizer.json) "
                               f"beside it; a fine-tune must tokenize as the pretraining did")

@@ -10,6 +10,7 @@ speed-ups: padding dropped before the projections (`impl.unpad`), attention over
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,10 @@ class BertForSequenceClassification(nn.Module):
         super().__init__()
         if not isinstance(num_labels, int) or num_labels < 1:
             raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
+        # The head reads the pooled [CLS] vector, so the classifier always has a pooler; an
+        # MLM-only encoder (RoBERTa's recipe: no pooler) gets a freshly initialised one, as
+        # transformers' BertForSequenceClassification does from a BertForMaskedLM checkpoint.
+        config = dataclasses.replace(config, next_sentence_prediction=True)
         self.config = config
         self.impl = impl or ModelImpl()
         self.num_labels = num_labels
@@ -49,11 +54,19 @@ class BertForSequenceClassification(nn.Module):
         for module in self.modules():
             init_bert_weights(module, config.initializer_range)
 
-    def load_encoder(self, state_dict: dict) -> None:
+    def load_encoder(self, state_dict: dict) -> bool:
         """Take `bert.*` (embeddings, layers, pooler) from a pretraining state dict (ours or
-        transformers' key names); the classifier keeps its fresh initialisation."""
+        transformers' key names); the classifier keeps its fresh initialisation, and so does
+        the pooler of an encoder that has none (MLM-only). Returns whether the pooler came
+        from the state dict."""
         encoder = {k[len("bert."):]: v for k, v in state_dict.items() if k.startswith("bert.")}
-        self.bert.load_state_dict(encoder, strict=True)
+        has_pooler = any(k.startswith("pooler.") for k in encoder)
+        missing, unexpected = self.bert.load_state_dict(encoder, strict=False)
+        allowed = [] if has_pooler else [k for k in self.bert.state_dict()
+                                         if k.startswith("pooler.")]
+        if unexpected or sorted(missing) != sorted(allowed):
+            self.bert.load_state_dict(encoder, strict=True)  # raises, naming the keys
+        return has_pooler
 
     def hf_state_dict(self) -> dict:
         """transformers' key set (see BertForPreTraining.hf_state_dict)."""
