@@ -18,7 +18,7 @@ DEMO_DATA := prepared/builtin64
 DEMO_RUN := runs/demo
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-slow test-all demo demo-readme demo-clean bench clean clean-venv
+.PHONY: help install test test-slow test-all test-cuda demo demo-readme demo-clean bench gpu-check clean clean-venv
 
 help: ## Show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -42,6 +42,9 @@ test-slow: install ## Run only the slow tests (CI runs these after `make test`)
 test-all: install ## Run every test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+test-cuda: install ## Run the GPU tests (tests/test_cuda.py; needs CUDA)
+	$(PY) -m pytest -q --cuda -m cuda $(PYTEST_ARGS)
+
 demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU, evaluate it
 	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05 max_seq_length=64 max_predictions_per_seq=10 tokenizer.vocab_size=8192
 	$(VENV)/bin/bert-train experiment=demo
@@ -56,8 +59,20 @@ bench: install ## Run the benchmarks (tables on stdout, JSON under bench/results
 	$(PY) bench/bench_prep.py
 	$(PY) bench/bench_model.py
 
+# The GPU machine has its own Python (no venv, no internet): the packages it lacks are staged
+# here first with ../shared/gpu/stage_wheels.sh (into .whl/) and installed into /tmp/site.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check: ## On a GPU machine: tests, bench, train, GLUE, suite in 8 min (bench/gpu_check.py)
+	@if [ -d .whl ]; then \
+	  echo "gpu-check: installing the staged wheels (.whl/) into /tmp/site"; \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+	    --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} WANDB_MODE=disabled HF_HUB_OFFLINE=1 \
+	  $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+
 clean: ## Remove everything the commands wrote (prepared data, runs, sweeps, results); keeps .venv
-	rm -rf prepared runs outputs multirun exported bench/results .pytest_cache
+	rm -rf prepared runs outputs multirun exported bench/results gpu-check .pytest_cache
 
 clean-venv: ## Remove .venv (then any target reinstalls, e.g. with another TORCH_INDEX)
 	rm -rf $(VENV)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -70,8 +71,11 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours-no-fast-dropout": {"fast_dropout": False},
     "ours-no-sparse-last": {"sparse_last_layer": False},
     "ours-no-sparse": {"sparse_prediction": False},
-    "ours-no-varlen": {"varlen_attention": False},
+    "ours-no-varlen": {"varlen_attention": "off"},
+    "ours-varlen-groups": {"varlen_attention": "groups"},
+    "ours-varlen-nested": {"varlen_attention": "nested"},
     "ours-sdpa": {"attention": "sdpa"},  # the default (auto) is the explicit product on CPU
+    "ours-compile": {"compile": True},
 }
 IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -149,7 +153,31 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int = 2048, reps: int = 10) 
     return 2 * n**3 / min(times)
 
 
-def build_models(cfg: BertConfig, names: list[str], device: str, seed: int):
+@functools.lru_cache(maxsize=None)
+def baseline_model_class(rev: str):
+    """BertForPreTraining (and ModelImpl) as of git revision `rev`: its bert_pretrain/model/
+    (which imports only torch) extracted to a temporary package, so that a change can be timed
+    against the code before it in the same process, alternating (`--baseline REV`)."""
+    import importlib
+    import io
+    import tarfile
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="bench-baseline-")
+    archive = subprocess.run(["git", "archive", rev, "bert_pretrain/model"], cwd=ROOT,
+                             capture_output=True, check=False)
+    if archive.returncode != 0:
+        sys.exit(f"error: --baseline {rev}: git archive failed: "
+                 f"{archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(root, filter="data")
+    os.rename(os.path.join(root, "bert_pretrain", "model"), os.path.join(root, "baseline_model"))
+    sys.path.insert(0, root)
+    module = importlib.import_module("baseline_model")
+    return module.BertForPreTraining, module.ModelImpl
+
+
+def build_models(cfg: BertConfig, names: list[str], device: str, seed: int, baseline=None):
     import transformers
 
     torch.manual_seed(seed)
@@ -160,17 +188,27 @@ def build_models(cfg: BertConfig, names: list[str], device: str, seed: int):
         if name == "transformers":
             hf_cfg = transformers.BertConfig(**cfg.to_hf_dict())
             model = transformers.BertForPreTraining._from_config(hf_cfg, attn_implementation="sdpa")
+        elif name.startswith("ours@"):
+            model_cls, impl_cls = baseline
+            model = model_cls(_baseline_config(model_cls, cfg), impl_cls())
         else:
             switches = VARIANTS.get(name, {})
             model = BertForPreTraining(cfg, dataclasses.replace(ModelImpl(), **switches))
         model.load_state_dict(weights, strict=True)
         model.to(device).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
-        if name == "ours-compiled":
-            # dynamic: the unpadded token count changes every batch
-            model = torch.compile(model, dynamic=True)
         models[name] = (model, opt)
     return models
+
+
+def _baseline_config(model_cls, cfg: BertConfig):
+    """Our config rebuilt as the baseline package's BertConfig (the fields it knows)."""
+    import dataclasses as dc
+    import importlib
+
+    config_cls = importlib.import_module(model_cls.__module__.rsplit(".", 1)[0]).BertConfig
+    known = {f.name for f in dc.fields(config_cls)}
+    return config_cls(**{k: v for k, v in cfg.to_dict().items() if k in known})
 
 
 def start_competitor() -> subprocess.Popen:
@@ -178,9 +216,17 @@ def start_competitor() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
-def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of one training step."""
+def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple:
+    """(wall seconds, process CPU seconds, GPU memory) of one training step. GPU memory: the
+    step's own peak above what was allocated before it (GiB), and how often the caching
+    allocator had to free its cache and retry (each retry waits for the GPU): a step that
+    needs more than the cache holds pays that every time; None on CPU."""
+    cuda = device.startswith("cuda")
     sync(device)
+    if cuda:
+        before = torch.cuda.memory_allocated()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        torch.cuda.reset_peak_memory_stats()
     t, c = time.perf_counter(), time.process_time()
     with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
         out = model(**batch)
@@ -188,7 +234,12 @@ def train_step(model, opt, batch, device: str, dtype: torch.dtype) -> tuple[floa
     opt.step()
     opt.zero_grad(set_to_none=True)
     sync(device)
-    return time.perf_counter() - t, time.process_time() - c
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    memory = None
+    if cuda:
+        memory = ((torch.cuda.max_memory_allocated() - before) / 2**30,
+                  torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries)
+    return wall, cpu, memory
 
 
 def time_alternating(models: dict, batch_fn, flops_fn, cfg, batch_size: int, seq_len: int,
@@ -196,11 +247,17 @@ def time_alternating(models: dict, batch_fn, flops_fn, cfg, batch_size: int, seq
     """Train every model on the same batches, one step each per batch, who goes first
     alternating (a machine that slows down slows all alike); the first args.warmup steps are
     not counted. Returns (step times, CPU times per model, real tokens and useful FLOPs per
-    batch, the other processes' load in cores)."""
-    gen = torch.Generator().manual_seed(args.seed)
+    batch, the other processes' load in cores, per model its peak step memory in GiB and
+    allocator retries on a GPU, else None).
+
+    The batches come from `args.batch_seed` (a new seed each run): a GPU caches kernel plans
+    per shape, and a run that saw the same shapes as the one before would be flattered (issue
+    30: 1.05 s a step on new shapes, 0.14 s on repeated ones)."""
+    gen = torch.Generator().manual_seed(getattr(args, "batch_seed", args.seed))
     names = list(models)
     times = {n: [] for n in names}
     cpu_times = {n: [] for n in names}
+    memory = {n: None for n in names}
     tokens, flops = [], []
     load = OtherLoad()
     for step in range(args.warmup + args.steps):
@@ -208,14 +265,17 @@ def time_alternating(models: dict, batch_fn, flops_fn, cfg, batch_size: int, seq
             load = OtherLoad()
         batch = batch_fn(batch_size, seq_len, cfg.vocab_size, gen, args.device)
         for name in (names if step % 2 == 0 else names[::-1]):
-            elapsed, cpu = train_step(*models[name], batch, args.device, dtype)
+            elapsed, cpu, mem = train_step(*models[name], batch, args.device, dtype)
             if step >= args.warmup:
                 times[name].append(elapsed)
                 cpu_times[name].append(cpu)
+                if mem is not None:
+                    peak, retries = memory[name] or (0.0, 0)
+                    memory[name] = (max(peak, mem[0]), retries + mem[1])
         if step >= args.warmup:
             tokens.append(batch["attention_mask"].sum().item())
             flops.append(flops_fn(cfg, batch))
-    return times, cpu_times, tokens, flops, load.cores()
+    return times, cpu_times, tokens, flops, load.cores(), memory
 
 
 def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
@@ -230,10 +290,14 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
         names += [v for v, switches in VARIANTS.items()
                   if v != "ours" and (not args.variants or v in args.variants)
                   and set(switches) <= IMPL_FIELDS]
-    if args.compile:
-        names.append("ours-compiled")
-    models = build_models(cfg, names, args.device, args.seed)
-    times, cpu_times, tokens, flops, other_cores = time_alternating(
+    if args.compile and "ours-compile" not in names:
+        names.append("ours-compile")
+    baseline = None
+    if args.baseline:
+        names.append(f"ours@{args.baseline}")
+        baseline = baseline_model_class(args.baseline)
+    models = build_models(cfg, names, args.device, args.seed, baseline)
+    times, cpu_times, tokens, flops, other_cores, memory = time_alternating(
         {n: models[n] for n in names}, make_batch, step_flops, cfg, batch_size, seq_len, args,
         dtype)
     del models
@@ -253,8 +317,15 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
             useful_tflops_per_step=mean_flops / 1e12,
             mfu=mean_flops / t / peaks[dtype_name],
             other_load_cores=other_cores, loadavg_1min_after=os.getloadavg()[0],
+            **_memory_fields(memory[name]),
         ))
     return rows
+
+
+def _memory_fields(memory) -> dict:
+    if memory is None:
+        return {}
+    return dict(peak_step_memory_gib=round(memory[0], 3), alloc_retries=memory[1])
 
 
 def parse_spec(spec: str, default_seq: int) -> tuple[str, int, int]:
@@ -296,7 +367,12 @@ def main(argv=None) -> None:
                    help="dropout of both models (default: the preset's, 0.1); budget recipes "
                         "such as experiment=budget_mini train with 0")
     p.add_argument("--compile", action="store_true",
-                   help="also time our model under torch.compile (inductor, dynamic shapes)")
+                   help="also time our model with impl.compile (its layers' dense blocks "
+                        "compiled by inductor)")
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="also time our model as of git revision REV (its bert_pretrain/model/, "
+                        "default settings), alternating with today's: a change against the "
+                        "code before it")
     p.add_argument("--finetune", action="store_true",
                    help="also time a fine-tuning step (sequence classification, 2 labels): "
                         "ours against transformers' BertForSequenceClassification")
@@ -329,7 +405,8 @@ def main(argv=None) -> None:
         print(f"bf16: not measured: {no_bf16}")
     runs = []
     plan = [("quiet", i) for i in range(args.runs)] + ([("compete", 0)] if args.compete else [])
-    for kind, index in plan:
+    for position, (kind, index) in enumerate(plan):
+        args.batch_seed = args.seed + 1000 * position  # new shapes each run (time_alternating)
         competitor = start_competitor() if kind == "compete" else None
         try:
             # only the dtypes measured: an emulated bf16 2048^3 product takes ~a minute
@@ -423,7 +500,15 @@ def _print_rows(rows: list[dict]) -> None:
               f"{r['model']:>20}  step {r['median_step_s']:7.3f} s  {r['tokens_per_s']:8,.0f} "
               f"tok/s  x{r['speedup_vs_transformers']:5.2f}  MFU {100 * r['mfu']:5.1f}%  "
               f"(cpu x{r['cpu_speedup_vs_transformers']:4.2f}"
-              f"{'' if load is None else f', other load {load:.2f} cores'})", flush=True)
+              f"{'' if load is None else f', other load {load:.2f} cores'}"
+              f"{_memory_note(r)})", flush=True)
+
+
+def _memory_note(r: dict) -> str:
+    if "peak_step_memory_gib" not in r:
+        return ""
+    return (f", step peak {r['peak_step_memory_gib']:.1f} GiB"
+            + (f", {r['alloc_retries']} allocator retries" if r["alloc_retries"] else ""))
 
 
 def _print_summary(rows: list[dict]) -> None:
@@ -488,7 +573,7 @@ def bench_finetune_one(preset: str, batch_size: int, seq_len: int, dtype_name: s
     for name, model in (("ours-finetune", ours), ("transformers-finetune", theirs)):
         model.to(args.device).train()
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-5, fused=True))
-    times, cpu_times, tokens, flops, other = time_alternating(
+    times, cpu_times, tokens, flops, other, memory = time_alternating(
         models, make_finetune_batch, finetune_flops, cfg, batch_size, seq_len, args, dtype)
     base = statistics.median(times["transformers-finetune"])
     base_cpu = statistics.median(cpu_times["transformers-finetune"])
@@ -499,7 +584,8 @@ def bench_finetune_one(preset: str, batch_size: int, seq_len: int, dtype_name: s
                  speedup_vs_transformers=base / statistics.median(t),
                  cpu_speedup_vs_transformers=base_cpu / statistics.median(cpu_times[name]),
                  mfu=statistics.mean(flops) / statistics.median(t) / peaks[dtype_name],
-                 other_load_cores=other, loadavg_1min_after=os.getloadavg()[0])
+                 other_load_cores=other, loadavg_1min_after=os.getloadavg()[0],
+                 **_memory_fields(memory[name]))
             for name, t in times.items()]
 
 

@@ -76,6 +76,10 @@ def start_lines(t) -> list:
                f"{', freed memory kept' if t.keeps_freed_memory else ''}"
                if t.accelerator.device.type == "cpu" else "")
     lines.append(f"bert-train: precision {t.precision.describe()} ({t.precision.reason}){threads}")
+    impl = getattr(t.raw_model, "impl", None)  # (a benchmark may train another model class)
+    if impl is not None:
+        lines.append(f"bert-train: speed switches on {t.accelerator.device.type}: "
+                     f"{impl.describe(t.accelerator.device.type)}")
     if not cfg.next_sentence_prediction:
         lines.append("bert-train: MLM only (no NSP head"
                      + (": the data has no sentence pairs)" if not t.data.has_nsp else

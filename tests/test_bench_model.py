@@ -107,3 +107,27 @@ def test_fine_tuning_row(tmp_path):
     assert {"ours-finetune", "transformers-finetune"} <= set(rows)
     assert rows["transformers-finetune"]["speedup_vs_transformers"] == 1.0
     assert rows["ours-finetune"]["tokens_per_s"] > 0
+
+
+def test_baseline_revision_is_timed_beside_ours_on_new_batches(tmp_path):
+    """--baseline REV times our model as of a git revision beside today's (a change against the
+    code before it), and each run draws batches of its own (a GPU caches kernel plans per
+    shape: runs that repeat shapes would flatter the later ones)."""
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:4:32", "--dtypes", "fp32", "--warmup", "0", "--steps", "1",
+                        "--runs", "2", "--baseline", "HEAD", "--vocab-size", "512",
+                        "--out", str(out)], capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 0, r.stderr[-2000:]
+    result = json.loads(out.read_text())
+    models = {row["model"] for row in result["summary"]}
+    assert models == {"ours", "transformers", "ours@HEAD"}
+    tokens = [run["results"][0]["tokens_per_s"] * run["results"][0]["median_step_s"]
+              for run in result["runs"]]
+    assert tokens[0] != tokens[1]  # real tokens of each run's batch: other draws
+    bad = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                          "bert_tiny:4:32", "--dtypes", "fp32", "--baseline", "no-such-rev",
+                          "--out", str(out)], capture_output=True, text=True,
+                         timeout=hang_limit())
+    assert bad.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --baseline no-such-rev: git")

@@ -88,7 +88,7 @@ def test_experiments_train_in_sequence(prepared, tmp_path):
         run = str(tmp_path / name)
         overrides = [f"experiment={name}", f"data.dir={prepared}", f"run_dir={run}", *SHRINK,
                      *FAST]
-        if name in ("demo", "gutenberg_mini", "budget_mini"):  # budget mode: a 1-second budget
+        if name in ("demo", "gutenberg_mini", "budget_mini", "gpu_mini"):  # budget: 1 second
             overrides += ["trainer.budget_hours=0.0003", "trainer.max_steps=100000"]
         runs[name] = run
         assert train_in_process(overrides) > 0

@@ -350,3 +350,66 @@ def test_attention_locality_adds_minus_slope_times_distance():
         dim1=-2, dim2=-1).mean() + 0.05  # the steep head looks at its own neighbourhood
     with pytest.raises(ValueError, match="one slope per head"):
         model.set_attention_locality([1.0, 0.5])
+
+
+def test_dense_prediction_makes_no_fp32_copy_of_the_whole_logits():
+    """sparse_prediction=false: the loss is taken over the labelled rows alone. Cross-entropy
+    over every row made fp32 tensors as large as the [B*L, V] logits (the copy, its
+    log-softmax, its gradient: issue 30's 5x slower full-vocabulary step on a GPU); now no fp32
+    tensor larger than the labelled rows' is made, and the loss is the same."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp32 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.fp32 = max(self.fp32, t.numel())
+            return t if not isinstance(out, (tuple, list)) else out
+
+    cfg = tiny_config(vocab_size=4000, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    plain = BertForPreTraining(cfg, PLAIN).train()
+    dense = twin(cfg, dataclasses.replace(PLAIN, unpad=True), plain)
+    batch = make_batch(cfg, batch=8, seq=20)
+    labelled = int((batch["labels"] != -100).sum())
+    sizes = Sizes()
+    with torch.autocast("cpu", dtype=torch.bfloat16), sizes:
+        out = dense(**batch)
+        out.loss.backward()
+    assert out.prediction_logits.shape == (8, 20, cfg.vocab_size)  # dense logits still given
+    # (the largest fp32 tensors left: the labelled rows' logits, the [V, H] weight and its grad)
+    assert sizes.fp32 <= max(labelled, cfg.hidden_size) * cfg.vocab_size
+    assert sizes.fp32 < 8 * 20 * cfg.vocab_size / 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = torch.nn.functional.cross_entropy(
+            out.prediction_logits.reshape(-1, cfg.vocab_size).float(),
+            batch["labels"].reshape(-1), ignore_index=-100)
+    assert out.mlm_loss.item() == pytest.approx(reference.item(), rel=1e-6)
+
+
+def test_compile_equals_eager():
+    """impl.compile: each layer's dense blocks under torch.compile (inductor, dynamic shapes),
+    on two batches of other lengths: the eager model's losses and gradients (no dropout, whose
+    compiled masks come from inductor's own generator), and one compiled graph serves every
+    layer rather than one per layer."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from test_varlen_attention import assert_same_step as assert_same_sparse_step
+
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      num_hidden_layers=3)
+    torch.manual_seed(0)
+    eager = BertForPreTraining(cfg, ModelImpl()).train()
+    compiled = twin(cfg, ModelImpl(compile=True), eager)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    for seed in (1, 2):
+        assert_same_sparse_step(eager, compiled, make_batch(cfg, seed=seed), atol=1e-5)
+    # two blocks, and at most a recompile each for the last layer's subset rows
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= 4
+    assert not dynamo_utils.counters["graph_break"]

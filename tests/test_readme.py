@@ -291,15 +291,24 @@ def test_the_readmes_other_commands_compose():
             pytest.fail(f"README: {line}")
 
 
+def heading_slugs(markdown: str) -> set:
+    """GitHub's anchors of a markdown text's headings."""
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)  # a "# comment" is no heading
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", prose, re.M)}
+
+
 def test_the_readmes_links_lead_somewhere():
     """Section links (#anchor, GitHub's slugs of the headings) and links to repository files."""
     with open(README) as f:
         text = f.read()
-    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # a "# comment" is no heading
-    slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-             for h in re.findall(r"^#+ (.*)$", prose, re.M)}
+    slugs = heading_slugs(text)
     for target in re.findall(r"\]\(([^)]+)\)", text):
         if target.startswith("#"):
             assert target[1:] in slugs, target
         elif "://" not in target:
-            assert os.path.exists(os.path.join(REPO, target)), target
+            path, _, anchor = target.partition("#")
+            assert os.path.exists(os.path.join(REPO, path)), target
+            if anchor:  # a section of another markdown file
+                with open(os.path.join(REPO, path)) as f:
+                    assert anchor in heading_slugs(f.read()), target

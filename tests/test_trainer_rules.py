@@ -287,6 +287,23 @@ def test_auto_precision_is_bf16_only_where_the_cpu_has_bf16_units(tmp_path, synt
         assert saved.trainer.mixed_precision == expected
 
 
+def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
+    """impl's `auto` values resolve per device; bert-train says what they became, and an
+    explicit choice is shown as given."""
+    run_dir = tmp_path / "switches"
+    train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
+                          "trainer.checkpoint_every=1", "impl.fused_qkv=true"))
+    log = (run_dir / "train.log").read_text()
+    assert ("speed switches on cpu: unpadded, varlen_attention=groups (auto on cpu), "
+            "attention=eager (auto on cpu), sparse prediction + last layer, fused qkv, "
+            "fast dropout") in log
+    run_dir = tmp_path / "nested"
+    train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
+                          "trainer.checkpoint_every=1", "impl.varlen_attention=nested",
+                          "impl.attention=sdpa"))
+    assert "varlen_attention=nested, attention=sdpa," in (run_dir / "train.log").read_text()
+
+
 def test_resolve_precision_keeps_explicit_settings():
     from bert_pretrain.cpu_runtime import resolve_precision
 

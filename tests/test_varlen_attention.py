@@ -1,6 +1,10 @@
 """Attention over real tokens only (ModelImpl.varlen_attention): sequences grouped by length,
-each group on its own grid, equal to the padded grid to float rounding."""
+each group on its own grid, or every sequence at its own length as nested tensors; both equal
+to the padded grid to float rounding.  The planner of the groups against a brute-force
+optimum, and what `auto` picks on each device."""
 import dataclasses
+import itertools
+import random
 
 import pytest
 import torch
@@ -49,12 +53,32 @@ def assert_same_step(off, on, batch, atol=1e-5):
         assert torch.allclose(grad, ref_grads[name], atol=atol, rtol=0), name
 
 
-def twins(cfg, **switches):
+def twins(cfg, mode="groups", **switches):
     torch.manual_seed(0)
-    off = BertForPreTraining(cfg, ModelImpl(varlen_attention=False, **switches))
-    on = BertForPreTraining(cfg, ModelImpl(varlen_attention=True, **switches))
+    off = BertForPreTraining(cfg, ModelImpl(varlen_attention="off", **switches))
+    on = BertForPreTraining(cfg, ModelImpl(varlen_attention=mode, **switches))
     on.load_state_dict(off.state_dict())
     return off, on
+
+
+def modes_used(model, batch) -> set:
+    """The grids the model's attention layers ran on for `batch`."""
+    from bert_pretrain.model import attention
+
+    seen = set()
+    real = attention.BertSelfAttention.varlen_mode
+
+    def spy(self, *args, **kwargs):
+        mode = real(self, *args, **kwargs)
+        seen.add(mode)
+        return mode
+
+    attention.BertSelfAttention.varlen_mode = spy
+    try:
+        model(**batch)
+    finally:
+        attention.BertSelfAttention.varlen_mode = real
+    return seen
 
 
 def test_the_test_batch_makes_several_groups():
@@ -79,6 +103,85 @@ def test_plan_groups_partitions_by_length(monkeypatch):
     groups = plan_groups(lengths, 4)
     assert sorted(i for g in groups for i in g) == list(range(32))
     assert any(max(lengths[i] for i in g) == 16 for g in groups)
+    assert plan_groups([], 4) == []
+
+
+def plan_cost(groups, lengths, heads, overhead):
+    return sum(len(g) * max(lengths[i] for i in g) ** 2 + overhead / heads for g in groups)
+
+
+def brute_force_cost(lengths, heads, overhead, max_groups):
+    """The cheapest split into at most max_groups contiguous runs of the lengths sorted
+    longest first (every such split tried)."""
+    ls = sorted(lengths, reverse=True)
+    best = float("inf")
+    for k in range(max_groups):
+        for cuts in itertools.combinations(range(1, len(ls)), k):
+            bounds = [0, *cuts, len(ls)]
+            best = min(best, sum((b - a) * ls[a] ** 2 + overhead / heads
+                                 for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+def test_plan_groups_finds_the_optimum(monkeypatch):
+    """Against every contiguous split of the sorted lengths (the optimum lies among them), on
+    random batches: the planner's plan costs exactly the optimum, covers every sequence once,
+    and its groups come longest first."""
+    import bert_pretrain.model.layout as layout
+
+    rng = random.Random(0)
+    for _ in range(150):
+        overhead = rng.choice([400, 5_000, 50_000])
+        monkeypatch.setattr(layout, "GROUP_OVERHEAD", overhead)
+        batch = rng.randint(1, 11)
+        longest = rng.choice([8, 32, 128])
+        lengths = [rng.randint(1, longest) if rng.random() < 0.6 else longest
+                   for _ in range(batch)]
+        heads = rng.choice([1, 2, 4, 12])
+        groups = plan_groups(lengths, heads)
+        assert sorted(i for g in groups for i in g) == list(range(batch))
+        assert all(g == sorted(g) for g in groups)
+        tops = [max(lengths[i] for i in g) for g in groups]
+        assert tops == sorted(tops, reverse=True)
+        expected = brute_force_cost(lengths, heads, overhead, min(batch, layout.MAX_GROUPS))
+        assert plan_cost(groups, lengths, heads, overhead) == pytest.approx(expected, rel=1e-12)
+
+
+def test_plan_groups_buckets_long_lengths(monkeypatch):
+    """Above MAX_LENGTH_BUCKETS distinct lengths the planner rounds lengths up to buckets
+    (4 tokens wide at 512): the plan stays within one bucket's rounding of the optimum."""
+    import bert_pretrain.model.layout as layout
+
+    monkeypatch.setattr(layout, "GROUP_OVERHEAD", 50_000)
+    rng = random.Random(1)
+    lengths = [rng.randint(1, 512) for _ in range(10)] + [512]
+    groups = plan_groups(lengths, 8)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    optimum = brute_force_cost(lengths, 8, 50_000, layout.MAX_GROUPS)
+    # each sequence's rounding adds at most (L + 3)^2 - L^2 <= 6 * 512 + 9 score elements
+    assert plan_cost(groups, lengths, 8, 50_000) <= optimum + len(lengths) * (6 * 512 + 9)
+
+
+def test_plan_groups_at_a_large_batch_is_a_few_vector_steps(monkeypatch):
+    """B=512 with 65 distinct lengths: the plan is the same whatever the order of the batch,
+    and the planner's cost table is K x K for the distinct lengths, not B x B (the old
+    programme ran O(MAX_GROUPS x B^2) Python steps: 0.6 s at B=512).  Its time is measured by
+    bench/bench_planner.py, not here."""
+    import bert_pretrain.model.layout as layout
+
+    tables = []
+    real = torch.Tensor.masked_fill_
+    monkeypatch.setattr(torch.Tensor, "masked_fill_",
+                        lambda self, *a: tables.append(tuple(self.shape)) or real(self, *a))
+    rng = random.Random(2)
+    lengths = [128 if rng.random() < 0.5 else rng.randint(64, 128) for _ in range(512)]
+    groups = plan_groups(lengths, 4)
+    assert tables == [(len(set(lengths)),) * 2]
+    perm = list(range(512))
+    rng.shuffle(perm)
+    shuffled = plan_groups([lengths[i] for i in perm], 4)
+    assert sorted(sorted(perm[i] for i in g) for g in shuffled) == sorted(groups)
+    assert all(len(g) for g in groups) and len(groups) <= layout.MAX_GROUPS
 
 
 CASES = [
@@ -91,36 +194,92 @@ CASES = [
 ]
 
 
+MODELS = [dict(), dict(position_embedding_type="relative_key"),
+          dict(position_embedding_type="relative_key_query"), dict(pre_layer_norm=True)]
+MODEL_IDS = ["absolute", "relative_key", "relative_key_query", "pre_ln"]
+
+
 @pytest.mark.parametrize("switches", CASES, ids=lambda s: ",".join(s) or "default")
-@pytest.mark.parametrize("model", [dict(), dict(position_embedding_type="relative_key"),
-                                   dict(position_embedding_type="relative_key_query"),
-                                   dict(pre_layer_norm=True)],
-                         ids=["absolute", "relative_key", "relative_key_query", "pre_ln"])
-def test_varlen_equals_the_padded_grid(switches, model):
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_groups_equal_the_padded_grid(switches, model):
     cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **model)
-    off, on = twins(cfg, **switches)
-    assert_same_step(off, on, spread_batch(cfg))
+    off, on = twins(cfg, "groups", **switches)
+    batch = spread_batch(cfg)
+    assert modes_used(on, batch) >= {"groups"}
+    assert_same_step(off, on, batch)
 
 
-def test_single_sequence_and_equal_lengths():
+@pytest.mark.parametrize("switches", CASES, ids=lambda s: ",".join(s) or "default")
+@pytest.mark.parametrize("model", MODELS, ids=MODEL_IDS)
+def test_nested_equals_the_padded_grid(switches, model):
+    """Nested tensors (on CPU SDPA's reference path for them; on CUDA the fused kernels,
+    tests/test_cuda.py): equal to the padded grid, the last layer's query subset included.
+    Relative positions need a score bias and take the padded grid."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **model)
+    off, on = twins(cfg, "nested", **switches)
+    batch = spread_batch(cfg)
+    relative = model.get("position_embedding_type", "absolute") != "absolute"
+    assert modes_used(on, batch) == ({"off"} if relative else {"nested"})
+    assert_same_step(off, on, batch)
+
+
+@pytest.mark.parametrize("mode", ["groups", "nested"])
+def test_single_sequence_and_equal_lengths(mode):
     cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    off, on = twins(cfg)
+    off, on = twins(cfg, mode)
     assert_same_step(off, on, spread_batch(cfg, lengths=[17]))
     assert_same_step(off, on, spread_batch(cfg, lengths=[17, 17, 17]))
 
 
-def test_holes_in_the_mask_keep_the_padded_grid():
-    """Real tokens that are not a prefix (a hole mid-sequence): positions inside the group grid
-    would be wrong, so attention stays on the padded grid, still equal."""
-    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                      position_embedding_type="relative_key")
-    off, on = twins(cfg)
+def test_nested_with_the_locality_bias_takes_the_padded_grid():
+    """The locality start adds a score bias, which the fused variable-length kernels do not
+    take: those layers attend on the padded grid, with the same result."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    off, on = twins(cfg, "nested")
+    for model in (off, on):
+        model.set_attention_locality([0.5, 0.25, 0.0, 0.0])
+    batch = spread_batch(cfg)
+    assert modes_used(on, batch) == {"off"}
+    assert_same_step(off, on, batch)
+
+
+@pytest.mark.parametrize("mode,used", [("groups", "off"), ("nested", "nested")])
+def test_holes_in_the_mask(mode, used):
+    """Real tokens that are not a prefix (a hole mid-sequence): positions inside a group grid
+    would be wrong, so groups fall back to the padded grid; nested tensors hold each
+    sequence's real tokens in order (absolute positions come from the embeddings), so they
+    still apply.  Equal either way."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    off, on = twins(cfg, mode)
     batch = spread_batch(cfg)
     batch["attention_mask"][0, 5] = 0
     batch["labels"][0, 5] = -100
     layout = TokenLayout.build(batch["attention_mask"], len(LENGTHS), 32, unpad=True)
-    assert layout.unpadded and layout.lengths is None
+    assert layout.unpadded and not layout.right_padded
+    assert modes_used(on, batch) == {used}
     assert_same_step(off, on, batch)
+
+
+@pytest.mark.parametrize("device,expected", [("cpu", "groups"), ("cuda", "off"),
+                                             ("mps", "off")])
+def test_auto_picks_per_device(device, expected):
+    """auto: length groups on CPUs (measured faster there), the padded grid with SDPA's fused
+    kernels elsewhere (6x faster than groups on an H100, issue 30); an explicit choice stands
+    on every device; without unpadding there is nothing to skip."""
+    assert ModelImpl().varlen_attention == "auto"
+    assert ModelImpl().resolved_varlen_attention(device) == expected
+    assert ModelImpl(varlen_attention="nested").resolved_varlen_attention(device) == "nested"
+    assert ModelImpl(varlen_attention="groups").resolved_varlen_attention(device) == "groups"
+    assert ModelImpl(unpad=False).resolved_varlen_attention(device) == "off"
+    line = ModelImpl().describe(device)
+    assert f"varlen_attention={expected} (auto on {device})" in line
+    assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
+
+
+def test_auto_on_cpu_runs_the_groups():
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    _, on = twins(cfg, "auto")
+    assert modes_used(on, spread_batch(cfg)) >= {"groups"}
 
 
 def test_training_with_dropout_runs_and_learns_the_same_shape():
@@ -135,5 +294,9 @@ def test_training_with_dropout_runs_and_learns_the_same_shape():
 
 
 def test_switch_is_validated():
-    with pytest.raises(ValueError, match="impl.varlen_attention must be true or false"):
+    with pytest.raises(ValueError, match="impl.varlen_attention 'yes' is not supported; use "
+                                         "one of auto, groups, nested, off"):
         dataclasses.replace(ModelImpl(), varlen_attention="yes")
+    # the booleans of earlier configs and checkpoints keep their meaning
+    assert ModelImpl(varlen_attention=True).varlen_attention == "groups"
+    assert ModelImpl(varlen_attention=False).varlen_attention == "off"

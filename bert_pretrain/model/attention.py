@@ -6,11 +6,17 @@ path (softmax(QK^T / sqrt(d)) V) is used when attention maps are requested, with
 `impl.attention == "eager"`, and on CPUs with `auto` (the default): there SDPA's flash kernel
 is slower than two batched matmuls in bf16 and no faster in fp32, and with dropout SDPA would
 run its own unfused math path anyway, where the explicit one can use the cheaper dropout.
+
+Which grid the product runs on (`impl.varlen_attention`, resolved per device): the batch's
+padded [B, heads, L, L] grid, length groups each on their own smaller grid, or nested (jagged)
+tensors, where SDPA runs each sequence at its own length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +37,7 @@ class BertSelfAttention(nn.Module):
         self.fused_qkv = impl.fused_qkv
         self.attention_impl = impl.attention
         self.fast_dropout = impl.fast_dropout
-        self.varlen = impl.varlen_attention
+        self.impl = impl
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
@@ -45,17 +51,19 @@ class BertSelfAttention(nn.Module):
         # set_attention_locality); None: no bias, the model is BERT.
         self.locality_slopes: torch.Tensor | None = None
 
-    def _project(self, hidden: torch.Tensor, layout: TokenLayout):
-        """Q, K, V as [B, heads, L, d] on the padded grid."""
-        h = self.num_heads
+    def _qkv(self, hidden: torch.Tensor):
+        """Q, K, V in `hidden`'s own shape."""
         if self.fused_qkv:
             # One GEMM with a 3x wider output instead of three; the concatenated weight is rebuilt
             # each call (cheap next to the GEMM) so the parameters keep transformers' names.
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
             bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            qkv = F.linear(hidden, weight, bias).chunk(3, dim=-1)
-            return tuple(layout.to_heads(x, h) for x in qkv)
-        return tuple(layout.to_heads(proj(hidden), h) for proj in (self.query, self.key, self.value))
+            return F.linear(hidden, weight, bias).chunk(3, dim=-1)
+        return tuple(proj(hidden) for proj in (self.query, self.key, self.value))
+
+    def _project(self, hidden: torch.Tensor, layout: TokenLayout):
+        """Q, K, V as [B, heads, L, d] on the padded grid."""
+        return tuple(layout.to_heads(x, self.num_heads) for x in self._qkv(hidden))
 
     def _relative_bias(self, q: torch.Tensor, k: torch.Tensor,
                        q_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -142,15 +150,10 @@ class BertSelfAttention(nn.Module):
         dropout_p = self.dropout_prob if self.training else 0.0
         return self.attention_impl == "auto" or (dropout_p > 0 and self.fast_dropout)
 
-    def _forward_varlen(self, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    def _forward_groups(self, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """Attention on real tokens only: each length group on its own grid (TokenLayout)."""
         h = self.num_heads
-        if self.fused_qkv:
-            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])
-            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            q, k, v = F.linear(hidden, weight, bias).chunk(3, dim=-1)
-        else:
-            q, k, v = (proj(hidden) for proj in (self.query, self.key, self.value))
+        q, k, v = self._qkv(hidden)
         explicit = self._explicit(False, hidden.device)
         groups = layout.attention_groups(h)
         contexts = []
@@ -161,12 +164,56 @@ class BertSelfAttention(nn.Module):
             contexts.append(context)
         return layout.groups_from_heads(contexts, groups)
 
+    def _forward_nested(self, hidden: torch.Tensor, layout: TokenLayout,
+                        subset: QuerySubset | None) -> torch.Tensor:
+        """Attention on real tokens only, every sequence at its own length: the [N, H] rows as
+        nested (jagged) tensors [B, heads, j, d] for SDPA, which on CUDA runs a fused
+        variable-length kernel over them (no padding, no per-batch shapes to plan).  With a
+        query subset, the queries are the subset's rows of each sequence."""
+        h, d = self.num_heads, self.head_size
+        offsets, lengths = layout.nested_offsets(), layout.lengths
+        if subset is None:
+            q, k, v = self._qkv(hidden)
+            q_offsets, q_lengths = offsets, (min(lengths), max(lengths))
+        else:
+            q = self.query(hidden.index_select(0, subset.rows))
+            k, v = self.key(hidden), self.value(hidden)
+            q_offsets, q_lengths = subset.offsets, (1, subset.lq)
+
+        def jagged(x, offs, bounds):
+            # (fused_qkv's chunks are strided views: the kernels need contiguous rows)
+            return torch.nested.nested_tensor_from_jagged(
+                x.contiguous().view(-1, h, d), offs, min_seqlen=bounds[0], max_seqlen=bounds[1]
+            ).transpose(1, 2)
+
+        dropout_p = self.dropout_prob if self.training else 0.0
+        with _quiet_nested(hidden.device):
+            out = F.scaled_dot_product_attention(
+                jagged(q, q_offsets, q_lengths), jagged(k, offsets, (min(lengths), max(lengths))),
+                jagged(v, offsets, (min(lengths), max(lengths))), dropout_p=dropout_p)
+        return out.transpose(1, 2).values().reshape(-1, self.hidden_size)
+
+    def varlen_mode(self, layout: TokenLayout, device_type: str, output_attentions: bool = False,
+                    subset: QuerySubset | None = None) -> str:
+        """The grid this call attends on: "nested", "groups" or "off" (the padded grid)."""
+        if output_attentions or not layout.unpadded or layout.key_mask is None:
+            return "off"  # maps cover the padded grid; nothing padded: nothing to skip
+        mode = self.impl.resolved_varlen_attention(device_type)
+        if mode == "nested" and (self.position_embedding_type != "absolute"
+                                 or self.locality_slopes is not None):
+            return "off"  # a score bias: the fused variable-length kernels take none
+        if mode == "groups" and (subset is not None or not layout.right_padded):
+            return "off"
+        return mode
+
     def forward(self, hidden: torch.Tensor, layout: TokenLayout,
                 output_attentions: bool = False, subset: QuerySubset | None = None):
         """Context for every token in `layout` order, or for `subset.rows` only ([R, H])."""
-        if (self.varlen and subset is None and not output_attentions and layout.unpadded
-                and layout.lengths is not None and layout.key_mask is not None):
-            return self._forward_varlen(hidden, layout), None
+        mode = self.varlen_mode(layout, hidden.device.type, output_attentions, subset)
+        if mode == "nested":
+            return self._forward_nested(hidden, layout, subset), None
+        if mode == "groups":
+            return self._forward_groups(hidden, layout), None
         if subset is None:
             q, k, v = self._project(hidden, layout)
         else:
@@ -180,3 +227,27 @@ class BertSelfAttention(nn.Module):
             context = subset.from_grid(context.transpose(1, 2).reshape(
                 layout.batch_size, subset.lq, self.hidden_size))
         return context, (probs if output_attentions else None)
+
+
+class _quiet_nested:
+    """On CPU, SDPA on nested tensors runs a reference path that converts them to torch's
+    older nested layout and warns that it is a prototype (and torch.fx logs a notice the first
+    time): neither says anything the user can act on."""
+
+    def __init__(self, device: torch.device):
+        self.cpu = device.type == "cpu"
+
+    def __enter__(self):
+        self.fx_log = logging.getLogger("torch.fx._symbolic_trace")
+        self.level = self.fx_log.level
+        self.fx_log.setLevel(logging.ERROR)
+        self.warnings = warnings.catch_warnings()
+        self.warnings.__enter__()
+        if self.cpu:
+            warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
+        return self
+
+    def __exit__(self, *exc):
+        self.warnings.__exit__(*exc)
+        self.fx_log.setLevel(self.level)
+        return False

@@ -17,6 +17,7 @@ from typing import Any
 ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "swish", "mish")
 POSITION_EMBEDDING_TYPES = ("absolute", "relative_key", "relative_key_query")
 ATTENTION_IMPLS = ("auto", "sdpa", "eager")
+VARLEN_ATTENTION = ("auto", "groups", "nested", "off")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -169,10 +170,18 @@ class ModelImpl:
     unpad: bool = True
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
     attention product itself."""
-    varlen_attention: bool = True
-    """With unpad: attention runs on real tokens only. Sequences are grouped by length (a
-    small cost model picks the groups) and each group is attended on its own grid padded to
-    its longest sequence, instead of every sequence padded to the batch's length."""
+    varlen_attention: str = "auto"
+    """With unpad: how attention reaches the real tokens.
+    groups: sequences grouped by length (a small cost model picks the groups), each group
+    attended on its own grid padded to its longest sequence;
+    nested: every sequence at its own length through SDPA on nested (jagged) tensors, which on
+    CUDA runs a fused variable-length kernel (flash / memory-efficient) with no padding at all
+    (models with relative positions or the locality bias need a score bias, which those
+    kernels do not take: they use the padded grid);
+    off: every sequence padded to the batch's length, one [B, heads, L, L] product (SDPA's
+    fused kernels on a GPU);
+    auto: what measured fastest on the device (`resolved_varlen_attention`).
+    true / false are read as groups / off (their meaning before `nested` and `auto`)."""
     fused_qkv: bool = False
     """One [3H, H] projection for query/key/value instead of three (same parameters). Off by
     default: ~4% slower on CPU (bench/bench_model.py), where the split/permute copies cost more
@@ -189,9 +198,21 @@ class ModelImpl:
     whole training steps 1.16-1.21x slower than the explicit path (BERT-mini/base, seq 128/512)
     and gained nothing in fp32 (README, "Benchmarks")."""
 
+    compile: bool = False
+    """torch.compile the model (inductor) in bert-train and bert-finetune: the first steps
+    compile (tens of seconds; again whenever the shapes change in ways it has not seen), later
+    ones run fused kernels. README "Speed switches" says when it pays."""
+
     def __post_init__(self) -> None:
-        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "varlen_attention",
-                     "fused_qkv", "fast_dropout", "gradient_checkpointing"):
+        if isinstance(self.varlen_attention, bool):
+            self.varlen_attention = "groups" if self.varlen_attention else "off"
+        _check(
+            self.varlen_attention in VARLEN_ATTENTION,
+            f"impl.varlen_attention {self.varlen_attention!r} is not supported; use one of "
+            f"{', '.join(VARLEN_ATTENTION)} (or true / false: groups / off)",
+        )
+        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "fused_qkv",
+                     "fast_dropout", "gradient_checkpointing", "compile"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
         _check(
@@ -199,6 +220,45 @@ class ModelImpl:
             f"impl.attention {self.attention!r} is not supported; use one of "
             f"{', '.join(ATTENTION_IMPLS)}",
         )
+
+    def resolved_varlen_attention(self, device_type: str) -> str:
+        """What `varlen_attention` does on a device type ("cpu", "cuda", ...): `auto` is
+        `groups` on CPUs, where they were 1.05-1.3x faster than the padded grid at batch 8-32
+        (2 cores, README "Benchmarks"), and `off` elsewhere: on an H100 the padded grid with
+        SDPA's fused kernels was 6x faster than the groups (BERT-base b256 L128, 0.086 vs
+        0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` was not
+        measured on a GPU yet; bench/gpu_check.py does."""
+        if not self.unpad:
+            return "off"  # varlen needs the unpadded layout
+        if self.varlen_attention != "auto":
+            return self.varlen_attention
+        return "groups" if device_type == "cpu" else "off"
+
+    def describe(self, device_type: str) -> str:
+        """The switches as they act on `device_type`, for the run's start-up line."""
+        varlen = self.resolved_varlen_attention(device_type)
+        attention = self.attention
+        if attention == "auto":
+            attention = "eager" if device_type == "cpu" else "sdpa"
+        parts = [
+            "unpadded" if self.unpad else "padded",
+            f"varlen_attention={varlen}"
+            + (f" (auto on {device_type})" if self.varlen_attention == "auto" and self.unpad
+               else ""),
+            f"attention={attention}" + (f" (auto on {device_type})"
+                                        if self.attention == "auto" else ""),
+            "sparse prediction" + (" + last layer" if self.sparse_last_layer else "")
+            if self.sparse_prediction else "dense prediction",
+        ]
+        if self.fused_qkv:
+            parts.append("fused qkv")
+        if self.fast_dropout and device_type == "cpu":
+            parts.append("fast dropout")
+        if self.gradient_checkpointing:
+            parts.append("gradient checkpointing")
+        if self.compile:
+            parts.append("torch.compile")
+        return ", ".join(parts)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> ModelImpl:

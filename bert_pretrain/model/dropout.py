@@ -41,7 +41,9 @@ class _CpuDropout(torch.autograd.Function):
 def dropout(x: torch.Tensor, p: float, training: bool, fast: bool) -> torch.Tensor:
     if not training or p == 0.0:
         return x
-    if fast and x.device.type == "cpu":
+    # Under torch.compile (impl.compile) inductor fuses torch's dropout into the neighbouring
+    # kernels with its own generator; the in-place integer draw here would split the graph.
+    if fast and x.device.type == "cpu" and not torch.compiler.is_compiling():
         return _CpuDropout.apply(x, p)
     return F.dropout(x, p, True)
 

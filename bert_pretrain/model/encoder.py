@@ -129,7 +129,13 @@ class BertOutput(nn.Module):
 class BertLayer(nn.Module):
     """Attention + FFN. Post-LN (BERT): x = LN(x + f(x)). Pre-LN: x = x + f(LN(x)), reusing the
     same two LayerNorms (attention.output.LayerNorm before attention, output.LayerNorm before
-    the FFN)."""
+    the FFN).
+
+    With `impl.compile` the two blocks around attention (output projection, dropout, residual,
+    LayerNorm; the FFN) are compiled with torch.compile: they are where fusing pays (bias, GELU,
+    dropout, residual and LayerNorm in a few kernels) and their shapes are [rows, H] with one
+    dynamic dimension.  Attention itself stays eager: its layout (groups, nested tensors, the
+    planner's Python) changes every batch and would recompile."""
 
     def __init__(self, config: BertConfig, impl: ModelImpl):
         super().__init__()
@@ -137,27 +143,35 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config, impl)
         self.pre_layer_norm = config.pre_layer_norm
+        self._compiled = None
+        if impl.compile:
+            self._compiled = (torch.compile(self.after_attention, dynamic=True),
+                              torch.compile(self.feed_forward, dynamic=True))
+
+    def after_attention(self, context: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The attention block's output projection, dropout, residual (and post-LN norm)."""
+        out = self.attention.output
+        if self.pre_layer_norm:
+            return residual + out.dropout(out.dense(context))
+        return out.LayerNorm(out.dropout(out.dense(context)) + residual)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN block with its residual and norm."""
+        out = self.output
+        if self.pre_layer_norm:
+            return x + out.dropout(out.dense(self.intermediate(out.LayerNorm(x))))
+        return out.LayerNorm(out.dropout(out.dense(self.intermediate(x))) + x)
 
     def forward(self, x: torch.Tensor, layout: TokenLayout, output_attentions: bool = False,
                 subset: QuerySubset | None = None):
         """Returns the layer output for every token, or for `subset.rows` only."""
-        attn_out, ffn_out = self.attention.output, self.output
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t if subset is None else t.reshape(-1, t.shape[-1]).index_select(0, subset.rows)
-
-        if self.pre_layer_norm:
-            context, probs = self.attention.self(attn_out.LayerNorm(x), layout, output_attentions,
-                                                 subset)
-            x = rows(x) + attn_out.dropout(attn_out.dense(context))
-            h = self.intermediate(ffn_out.LayerNorm(x))
-            x = x + ffn_out.dropout(ffn_out.dense(h))
-            return x, probs
-        context, probs = self.attention.self(x, layout, output_attentions, subset)
-        x = attn_out.LayerNorm(attn_out.dropout(attn_out.dense(context)) + rows(x))
-        h = self.intermediate(x)
-        x = ffn_out.LayerNorm(ffn_out.dropout(ffn_out.dense(h)) + x)
-        return x, probs
+        attention_in = self.attention.output.LayerNorm(x) if self.pre_layer_norm else x
+        context, probs = self.attention.self(attention_in, layout, output_attentions, subset)
+        residual = x if subset is None else \
+            x.reshape(-1, x.shape[-1]).index_select(0, subset.rows)
+        after_attention, feed_forward = self._compiled or (self.after_attention,
+                                                           self.feed_forward)
+        return feed_forward(after_attention(context, residual)), probs
 
 
 class BertEncoder(nn.Module):

@@ -41,33 +41,72 @@ class AttentionGroup:
 # elements per head at 4 heads, ~60^2 at 12).
 GROUP_OVERHEAD = 50_000
 MAX_GROUPS = 8
+# The planner works on distinct lengths; above this many it buckets them (lengths rounded up
+# to a multiple of ceil(longest / MAX_LENGTH_BUCKETS): 4 at 512 tokens), so its tensors stay at
+# <= 128 x 128 elements: below torch's parallel grain, where no worker thread has to wake up.
+MAX_LENGTH_BUCKETS = 128
 
 
 def plan_groups(lengths: list[int], num_heads: int) -> list[list[int]]:
     """Split the sequences (by index) into groups of similar length, minimising the estimated
-    attention cost: a dynamic programme over the lengths sorted longest first (the optimal
-    groups are contiguous runs of that order)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    ls = [lengths[i] for i in order]
-    n, fixed = len(ls), GROUP_OVERHEAD / num_heads
-    # best[k][j]: cost of the first j sorted sequences in k groups
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(MAX_GROUPS + 1)]
-    cut = [[0] * (n + 1) for _ in range(MAX_GROUPS + 1)]
-    best[0][0] = 0.0
-    for k in range(1, MAX_GROUPS + 1):
-        for j in range(1, n + 1):
-            for i in range(k - 1, j):  # group = sorted[i:j], its longest is ls[i]
-                cost = best[k - 1][i] + (j - i) * ls[i] ** 2 + fixed
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
-    k = min(range(1, MAX_GROUPS + 1), key=lambda k: best[k][n])
-    groups, j = [], n
-    while k > 0:
-        i = cut[k][j]
-        groups.append(sorted(order[i:j]))
-        j, k = i, k - 1
-    return groups[::-1]
+    attention cost; groups come longest first, each sorted by index.
+
+    The optimal groups are contiguous runs of the lengths sorted longest first, and an optimal
+    plan never splits sequences of equal length (moving them into the shorter group never costs
+    more), so the dynamic programme runs over the K distinct lengths, not the B sequences:
+    O(B log B) for the sort plus MAX_GROUPS vector steps over a K x K cost table (K <= 128;
+    exact up to 128 tokens, bucketed above).  The old O(MAX_GROUPS x B^2) Python loop took
+    121 ms at B=256 (issue 30); this takes well under 1 ms at B=512
+    (bench/bench_planner.py)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
+    width = -(-lengths[order[0]] // MAX_LENGTH_BUCKETS) if order else 1
+    keys, counts = [], []  # distinct (bucketed) lengths, longest first, and their counts
+    for i in order:
+        key = -(-lengths[i] // width) * width
+        if keys and keys[-1] == key:
+            counts[-1] += 1
+        else:
+            keys.append(key)
+            counts.append(1)
+    k = len(keys)
+    if k <= 1:
+        return [sorted(order)] if order else []
+    size = torch.tensor(counts, dtype=torch.float64)
+    end = torch.cumsum(size, 0)
+    start = end - size
+    # cost[i, j]: one group of the sequences with distinct lengths i..j (its longest: keys[i])
+    cost = (end[None, :] - start[:, None]) * torch.tensor(keys, dtype=torch.float64)[:, None] ** 2
+    cost += GROUP_OVERHEAD / num_heads
+    index = torch.arange(k)
+    cost.masked_fill_(index[:, None] > index[None, :], float("inf"))
+    # best[g][j]: the cheapest g+1 groups covering lengths 0..j; first[g][j]: where the last
+    # of them starts
+    best, first = [cost[0]], [None]
+    for _ in range(1, min(MAX_GROUPS, k)):
+        value, arg = (best[-1][:-1, None] + cost[1:]).min(0)
+        best.append(value)
+        first.append(arg + 1)
+    # argmin takes the first minimum: the fewest groups among equal costs
+    g, j, starts = int(torch.stack([b[-1] for b in best]).argmin()), k - 1, []
+    while g > 0:
+        i = int(first[g][j])
+        starts.append(int(start[i]))
+        j, g = i - 1, g - 1
+    cuts = [0, *starts[::-1], len(order)]
+    return [sorted(order[a:b]) for a, b in zip(cuts, cuts[1:])]
+
+
+def _to_device(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host index tensors -> `device` in one copy that does not wait for the device's queue
+    (a copy per tensor from a Python list waits for the GPU each time)."""
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors])
+    flat = flat.to(device, non_blocking=True)
+    out = []
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        out.append(part.view(t.shape).to(t.dtype))
+    return out
 
 
 @dataclass
@@ -82,50 +121,75 @@ class TokenLayout:
     """[B] row of each sequence's first token in the unpadded [N, H] matrix (for the pooler)."""
 
     lengths: list[int] | None = None
-    """Real tokens of each sequence (host ints) when unpadded and right-padded (the real tokens
-    of each sequence are a prefix); else None, and attention stays on the padded grid."""
+    """Real tokens of each sequence (host ints) when unpadded; else None."""
+    right_padded: bool = False
+    """The real tokens of every sequence are a prefix (padding on the right, as BERT's): what
+    the length groups need (they place token k of a sequence at position k of their grid)."""
 
     def __post_init__(self) -> None:
         self._cache: dict = {}
 
     def attention_groups(self, num_heads: int) -> list[AttentionGroup]:
-        """Unpadded only: the groups that attention runs on (`plan_groups`), built once per
-        forward and shared by every layer."""
+        """Unpadded and right-padded only: the groups that attention runs on (`plan_groups`),
+        built once per forward and shared by every layer."""
         key = ("groups", num_heads)
         if key not in self._cache:
             self._cache[key] = self._build_groups(num_heads)
         return self._cache[key]
 
     def _build_groups(self, num_heads: int) -> list[AttentionGroup]:
-        device = self.indices.device
-        lengths = torch.tensor(self.lengths, device=device)
-        starts = torch.cumsum(lengths, 0) - lengths  # first row of each sequence in [N, H]
-        heads = torch.arange(num_heads, device=device)
+        """Every group's index tensors at once: the plan and one number per sequence on the
+        host (the lengths are host ints), one copy of those to the device, and the per-token
+        indices there: a fixed number of operations whatever the group count, and no wait for
+        the device (the sizes are known on the host)."""
+        plan = plan_groups(self.lengths, num_heads)
+        lengths = torch.tensor(self.lengths)
+        seqs = torch.tensor([i for members in plan for i in members])  # group by group
+        group_sizes = [len(members) for members in plan]
+        group_lengths = [max(self.lengths[i] for i in members) for members in plan]
+        group = torch.repeat_interleave(torch.arange(len(plan)), torch.tensor(group_sizes))
+        first = torch.tensor([0, *group_sizes[:-1]]).cumsum(0)  # first sequence of each group
+        seq_lengths = lengths[seqs]
+        per_seq = [(torch.cumsum(lengths, 0) - lengths)[seqs],  # its first row in [N, H]
+                   torch.arange(len(seqs)) - first[group],       # its place in its group
+                   torch.tensor(group_lengths)[group],           # its group's grid length
+                   seq_lengths,
+                   torch.cumsum(seq_lengths, 0) - seq_lengths]   # its first token, group order
+        start, local, width, seq_lengths, offset = _to_device(per_seq, self.indices.device)
+        device, total = start.device, int(sum(self.lengths))
+        token = torch.repeat_interleave(torch.arange(len(seqs), device=device), seq_lengths,
+                                        output_size=total)
+        pos = torch.arange(total, device=device) - offset[token]
+        rows = start[token] + pos
+        grid = ((local[token] * num_heads)[:, None]
+                + torch.arange(num_heads, device=device)[None, :]) * width[token][:, None] \
+            + pos[:, None]
+        if len(plan) > 1:
+            inverse = torch.empty_like(rows)
+            inverse[rows] = torch.arange(total, device=device)
+            self._cache["group_inverse"] = inverse
+        tokens_per_group = [sum(self.lengths[i] for i in members) for members in plan]
         groups = []
-        for members in plan_groups(self.lengths, num_heads):
-            seqs = torch.tensor(members, device=device)
-            seq_lengths = lengths.index_select(0, seqs)
-            length = max(self.lengths[i] for i in members)
-            # rows of the group's tokens in layout order, and each one's (local seq, position)
-            local = torch.repeat_interleave(torch.arange(len(members), device=device),
-                                            seq_lengths)
-            pos = torch.arange(int(seq_lengths.sum()), device=device) - torch.repeat_interleave(
-                torch.cumsum(seq_lengths, 0) - seq_lengths, seq_lengths)
-            rows = starts.index_select(0, seqs).index_select(0, local) + pos
-            grid = (local[:, None] * num_heads + heads[None, :]) * length + pos[:, None]
+        for members, length, g_rows, g_grid, g_lengths in zip(
+                plan, group_lengths, rows.split(tokens_per_group), grid.split(tokens_per_group),
+                seq_lengths.split(group_sizes)):
             key_mask = None
             if min(self.lengths[i] for i in members) < length:
                 key_mask = (torch.arange(length, device=device)[None, :]
-                            < seq_lengths[:, None])[:, None, None, :]
+                            < g_lengths[:, None])[:, None, None, :]
             every = len(members) == len(self.lengths)
-            groups.append(AttentionGroup(len(members), length, None if every else rows,
-                                         grid.reshape(-1), key_mask))
-        if len(groups) > 1:
-            order = torch.cat([g.token_rows for g in groups])
-            inverse = torch.empty_like(order)
-            inverse[order] = torch.arange(len(order), device=device)
-            self._cache["group_inverse"] = inverse
+            groups.append(AttentionGroup(len(members), length, None if every else g_rows,
+                                         g_grid.reshape(-1), key_mask))
         return groups
+
+    def nested_offsets(self) -> torch.Tensor:
+        """Unpadded only: [B + 1] offsets of each sequence's rows in the [N, H] matrix (the
+        `cu_seqlens` of variable-length attention kernels), on the layout's device."""
+        if "offsets" not in self._cache:
+            offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.int64)
+            torch.cumsum(torch.tensor(self.lengths), 0, out=offsets[1:])
+            self._cache["offsets"] = _to_device([offsets], self.indices.device)[0]
+        return self._cache["offsets"]
 
     def group_to_heads(self, x: torch.Tensor, group: AttentionGroup,
                        num_heads: int) -> torch.Tensor:
@@ -198,22 +262,23 @@ class TokenLayout:
             return cls(batch_size, seq_len, None)
         mask = attention_mask.bool()
         key_mask = mask[:, None, None, :]
-        if not unpad or not bool(mask[:, 0].all()):
+        if not unpad:
+            return cls(batch_size, seq_len, key_mask)
+        # The plan needs the lengths on the host: one copy of the mask (one wait for a GPU),
+        # then everything from it on the host and one copy of the indices back.
+        host = mask.cpu()
+        if not bool(host[:, 0].all()):
             # The unpadded pooler reads each sequence's first token; inputs whose first token is
             # padding (never the case for [CLS]-first BERT inputs) take the padded path.
             return cls(batch_size, seq_len, key_mask)
-        flat = mask.reshape(-1)
+        flat = host.reshape(-1)
         indices = flat.nonzero().squeeze(1)
         # Row of token (b, 0) among the real tokens = number of real tokens before it.
-        starts = torch.arange(batch_size, device=mask.device) * seq_len
-        cls_rows = torch.cumsum(flat, 0).index_select(0, starts) - 1
-        # Grouped attention places token k of a sequence at position k of its grid, which is
-        # its position only when the real tokens are a prefix (right padding, as BERT's).
-        counts = mask.sum(1)
-        prefix = bool((mask == (torch.arange(seq_len, device=mask.device)[None, :]
-                                < counts[:, None])).all())
-        return cls(batch_size, seq_len, key_mask, indices, cls_rows,
-                   counts.tolist() if prefix else None)
+        counts = host.sum(1)
+        cls_rows = torch.cumsum(counts, 0) - counts
+        prefix = bool((host == (torch.arange(seq_len)[None, :] < counts[:, None])).all())
+        indices, cls_rows = _to_device([indices, cls_rows], mask.device)
+        return cls(batch_size, seq_len, key_mask, indices, cls_rows, counts.tolist(), prefix)
 
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """[N, C] (unpadded) or [B, L, C] -> [B, L, C]; padding rows are zero."""
@@ -246,6 +311,8 @@ class QuerySubset:
     cls_rows: torch.Tensor
     """[B] index among the R rows of each sequence's first token."""
     lq: int
+    offsets: torch.Tensor
+    """[B + 1] offsets of each sequence's rows among the R (nested attention's queries)."""
 
     @classmethod
     def build(cls, keep: torch.Tensor, layout: TokenLayout) -> QuerySubset:
@@ -263,7 +330,8 @@ class QuerySubset:
         positions = torch.zeros(b * lq, dtype=pos.dtype, device=pos.device)
         positions.index_copy_(0, grid_index, pos)
         cls_rows = (pos == 0).nonzero().squeeze(1)
-        return cls(rows, grid_index, positions.view(b, lq), cls_rows, lq)
+        offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
+        return cls(rows, grid_index, positions.view(b, lq), cls_rows, lq, offsets)
 
     def to_grid(self, x: torch.Tensor, batch_size: int) -> torch.Tensor:
         grid = x.new_zeros(batch_size * self.lq, x.shape[-1])

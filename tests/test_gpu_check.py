@@ -1,0 +1,76 @@
+"""`make gpu-check` (bench/gpu_check.py): it refuses a machine without CUDA in one line unless
+asked to check its plumbing, refuses bad folders before spending the GPU's minutes, and (slow)
+runs every stage at tiny sizes on the CPU, leaving one folder with a summary whose figures say
+"cpu"."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from finetune_support import write_glue_task
+from time_limits import hang_limit
+from train_support import REPO
+
+SCRIPT = os.path.join(REPO, "bench", "gpu_check.py")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=hang_limit())
+
+
+def test_refuses_a_machine_without_cuda(tmp_path):
+    proc = run("--out", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("gpu-check: error: torch sees no CUDA device; run this on the "
+                                   "GPU machine (--allow-cpu checks the plumbing on a CPU)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_bad_folders_before_starting(tmp_path):
+    proc = run("--allow-cpu", "--glue", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "has no SST-2/ folder" in proc.stderr
+    proc = run("--allow-cpu", "--corpus", str(tmp_path / "nope.txt"))
+    assert proc.returncode == 2 and "nope.txt is not a file" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
+    glue = tmp_path / "glue"
+    write_glue_task(str(glue), "sst2")
+    out = tmp_path / "out"
+    proc = run("--allow-cpu", "--quick", "--out", str(out), "--glue", str(glue),
+               "--train-seconds", "8", "--budget", "1200")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (out / "summary.md").read_text()
+    assert "Device: cpu (no GPU: plumbing check only)" in summary
+    results = json.loads((out / "results.json").read_text())
+    statuses = {r["name"]: r["status"] for stage in results["stages"].values()
+                for r in stage.get("runs", [stage])}
+    assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
+                        "bert_train": "ok", "bert_train_resume": "ok", "bert_glue": "ok",
+                        "pytest_default": "ok"}, statuses
+    bench = json.loads((out / "bench_0_bert_tiny_8_64.json").read_text())
+    assert bench["device"] == "cpu"
+    assert {r["model"] for r in bench["summary"]} == {"ours", "transformers", "ours-no-unpad",
+                                                      "ours-varlen-nested"}
+    assert results["train"]["median_tokens_per_s"] > 0
+    assert results["train"]["resume_tokens_per_s"] > 0
+    assert "run_gpu_mini (random init)" in summary   # the control beside the model
+    assert (out / "pytest_default.xml").is_file() and (out / "env.json").is_file()
+
+
+def test_a_spent_budget_leaves_the_rest_not_run(tmp_path):
+    """Stages that no longer fit are listed, not started (and the summary still written)."""
+    out = tmp_path / "out"
+    proc = run("--allow-cpu", "--quick", "--out", str(out), "--budget", "5",
+               "--stages", "bench", "default-suite")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["stages"]["bench"]["runs"][0]["status"] == "not run: the budget is spent"
+    assert results["stages"]["default-suite"]["status"] == "not run: the budget is spent"
+    assert "not run: the budget is spent" in (out / "summary.md").read_text()
