@@ -48,6 +48,10 @@ from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
+# Where a re-save of the same step keeps the previous copy until the new one is in place
+# (`.old-step-XXXXXXXX`): a dot name, like everything a save leaves behind, so that a user's own
+# `step-XXXXXXXX.old` backup is never taken for one.
+OLD_PREFIX = ".old-"
 TOKENIZER_DIR = "tokenizer"
 # Fields that decide tensor shapes: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -411,7 +415,7 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
             json.dump(state, f, indent=2)
         _fsync_tree(tmp)
         if os.path.exists(final):  # re-saving the same step
-            old = final + ".old"
+            old = os.path.join(root, OLD_PREFIX + step_dir_name(step))
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(tmp, final)
@@ -491,9 +495,12 @@ def _load_plain(file: str):
 
 
 def load_states(path: str, rank: int) -> tuple:
-    """(optimizer state, extra state, this rank's RNG state or None)."""
+    """(optimizer state, extra state, this rank's RNG state or None).  The RNG state is read
+    only when trainer_state.json lists it (a checkpoint is the files its state lists): a rank
+    the saving run did not have, or a file left over or planted beside them, gets None."""
     opt = _load_plain(os.path.join(path, "optimizer.pt"))
     extra = _load_plain(os.path.join(path, "trainer_state.pt"))
-    rng_file = os.path.join(path, f"rng_state_rank{rank}.pt")
-    rng = _load_plain(rng_file) if os.path.isfile(rng_file) else None
+    rng_name = f"rng_state_rank{rank}.pt"
+    listed = rng_name in _read_json(path).get("files", {})
+    rng = _load_plain(os.path.join(path, rng_name)) if listed else None
     return opt, extra, rng

@@ -186,13 +186,13 @@ def test_the_line_is_found_without_its_pointer_and_after_a_save_killed_before_it
 
 def test_an_interrupted_resave_is_repaired_before_resume_auto_searches(data, tmp_path, capsys):
     """Killed between the two renames of a re-save, the only good copy of step 4 is
-    step-00000004.old: resume=auto puts it back and continues from it (not from step 0, which
+    .old-step-00000004: resume=auto puts it back and continues from it (not from step 0, which
     would also have emptied metrics.jsonl)."""
     run = tmp_path / "run"
     _train(data, run, "trainer.max_steps=4", "trainer.checkpoint_every=4",
            "trainer.keep_last_k=5")
     path = os.path.join(cm.checkpoints_root(str(run)), "step-00000004")
-    os.rename(path, path + ".old")
+    os.rename(path, os.path.join(cm.checkpoints_root(str(run)), ".old-step-00000004"))
     os.makedirs(os.path.join(cm.checkpoints_root(str(run)), ".tmp-step-00000004"))
     capsys.readouterr()
     _train(data, run, "trainer.max_steps=6", "trainer.checkpoint_every=4",
