@@ -123,20 +123,36 @@ class Job:
     """Everything the results depend on except lr and seed (a rerun must match it)."""
 
 
+def run_identity(job: Job, lr: float, seed: int) -> dict:
+    """What one fine-tune's results (its folder, its model) are of."""
+    return {**job.identity, "lr": lr, "seed": seed}
+
+
 class FineTune:
     def __init__(self, session: Session, job: Job, lr: float, seed: int, run_dir: str):
+        """`run_dir`: where the fine-tune goes; a folder that holds another fine-tune is left
+        as it is and this one is written beside it (identity.claim)."""
         self.session, self.job, self.lr, self.seed = session, job, lr, seed
         self.run_dir = run_dir
         self.recipe, self.tc = job.settings.recipe, job.settings.trainer
-        self.identity = {**job.identity, "lr": lr, "seed": seed}
+        self.identity = run_identity(job, lr, seed)
         self.stop, self._window = _NoStop(), []
+        self.trained = False
+        """Whether `run` fine-tuned (rather than read back a finished result)."""
 
     # ------------------------------------------------------------------ the run
-    def run(self, progress_desc: str = "") -> dict:
-        """Fine-tune (or resume, or return the saved result of a finished run) and score."""
+    def run(self, progress_desc: str = "", rebuild: bool = False) -> dict:
+        """Fine-tune (or resume, or return the saved result of a finished run) and score.
+        rebuild: fine-tune a finished run again (its model was not kept and is wanted now)."""
+        from .identity import claim
+
+        s = self.session
+        self.run_dir = s.broadcast(claim(self.run_dir, self.identity, "a fine-tune", self._note)
+                                   if s.main else None)
         done = self._finished_result()
-        if done is not None:
+        if done is not None and not rebuild:
             return done
+        self.trained = True
         self._setup()
         start_time = time.perf_counter() - self.elapsed
         bar = self._progress_bar(progress_desc)
@@ -174,13 +190,19 @@ class FineTune:
         return result
 
     def _check_identity(self, saved: Optional[dict], where: str) -> None:
-        if saved == self.identity:
-            return
-        diff = sorted(k for k in set(saved or {}) | set(self.identity)
-                      if (saved or {}).get(k) != self.identity.get(k))
-        raise ConfigError(f"{where} is a fine-tune with other settings ({', '.join(diff)} "
-                          f"differ); choose another out_dir, or delete {self.run_dir} to "
-                          f"start it over")
+        """A result or checkpoint inside this run's folder (which records this identity) that
+        is of another fine-tune was copied there or edited."""
+        from .identity import differences
+
+        diff = differences(saved, self.identity)
+        if diff:
+            raise ConfigError(f"{where} is a fine-tune with other settings ({', '.join(diff)} "
+                              f"differ) in the folder of this one; delete {self.run_dir} to "
+                              f"start it over")
+
+    def _note(self, line: str) -> None:
+        if self.session.main:
+            print(f"bert-finetune: note: {line}", flush=True)
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -217,7 +239,7 @@ class FineTune:
         resume = None
         if session.main:
             self.checkpoints.repair()
-            resume = self.checkpoints.latest()
+            resume = self.checkpoints.find("auto")
         resume = session.broadcast(resume)
         if resume:
             state = ckpt.read_train_state(resume, verify=False)  # the main process verified
@@ -232,6 +254,7 @@ class FineTune:
         if session.main:
             from ..metrics import truncate_jsonl
 
+            self.checkpoints.begin(resume)
             os.makedirs(self.run_dir, exist_ok=True)
             metrics = os.path.join(self.run_dir, METRICS_FILE)
             if os.path.isfile(metrics):
@@ -354,8 +377,8 @@ class FineTune:
                 f.write(json.dumps({"step": self.step, **metrics, "score": result["score"]})
                         + "\n")
             if self.tc.save_model != "none":
-                save_classifier(self.raw_model, self.job.data, self.job.pretrained.tokenizer_dir,
-                                os.path.join(self.run_dir, MODEL_DIR))
+                save_classifier(self.raw_model, self.job.data, self.job.pretrained,
+                                os.path.join(self.run_dir, MODEL_DIR), self.identity)
             _write_json(os.path.join(self.run_dir, RESULT_FILE), result)
             # A finished fine-tune needs no resume state: result.json marks it done.
             shutil.rmtree(checkpoints_root(self.run_dir), ignore_errors=True)
