@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune_support import (FAST, finetune_in_process, pair_task, pretrained_run,
-                              sentence_task)
+from finetune_support import (FAST, finetune_in_process, kill_fine_tune_at, pair_task,
+                              pretrained_run, sentence_task)
 from time_limits import hang_limit
 from train_support import REPO
 
@@ -95,14 +95,7 @@ def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch
     common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1",
               "trainer.checkpoint_every=10", "trainer.save_model=all"]
     whole = finetune_in_process([*common, f"out_dir={tmp_path / 'whole'}"])
-    real_step = FineTune.train_step
-
-    def crash_at_25(self):
-        if self.step == 25:
-            raise RuntimeError("killed")
-        return real_step(self)
-
-    monkeypatch.setattr(FineTune, "train_step", crash_at_25)
+    real_step = kill_fine_tune_at(monkeypatch, 25)
     with pytest.raises(RuntimeError, match="killed"):
         finetune_in_process([*common, f"out_dir={tmp_path / 'cut'}"])
     member = tmp_path / "cut" / "lr0.001-seed1"
