@@ -48,6 +48,10 @@ from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 STATE_JSON = "trainer_state.json"
+# Where a re-save of the same step keeps the previous copy until the new one is in place
+# (`.old-step-XXXXXXXX`): a dot name, like everything a save leaves behind, so that a user's own
+# `step-XXXXXXXX.old` backup is never taken for one.
+OLD_PREFIX = ".old-"
 TOKENIZER_DIR = "tokenizer"
 # Fields that decide tensor shapes: a checkpoint whose values differ cannot be loaded.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -266,19 +270,50 @@ def listed_files(state: dict, under: str = "") -> list:
     return sorted(name for name in state.get("files", {}) if name.startswith(under))
 
 
-def copy_listed(path: str, state: dict, under: str, dest: str) -> list:
-    """Copy the verified checkpoint's listed files below `under` into `dest` (flattened one
-    level: `tokenizer/vocab.txt` -> `dest/vocab.txt`); new files get the user's umask.
-    Returns the names written."""
+def own_files(directory: str, names) -> tuple:
+    """(regular, refused): of `names`, those directly in `directory` that are regular files,
+    and those that are something else there (a symbolic link, a folder, a device).  What a
+    format lists and this returns as regular is all an export may copy out of a directory:
+    never a file a link points to (a `special_tokens_map.json -> ~/.ssh/id_rsa` would ship a
+    private key)."""
+    regular, refused = [], []
+    for name in names:
+        try:
+            mode = os.lstat(os.path.join(directory, name)).st_mode
+        except FileNotFoundError:
+            continue
+        (regular if stat.S_ISREG(mode) else refused).append(name)
+    return regular, refused
+
+
+def refusal(directory: str, name: str) -> str:
+    """Why `name` in `directory` is not copied (own_files refused it), for one warning line."""
+    try:
+        link = stat.S_ISLNK(os.lstat(os.path.join(directory, name)).st_mode)
+    except OSError:
+        link = False
+    what = "a symbolic link" if link else "not a regular file"
+    return (f"{os.path.join(directory, name)} is {what}: not copied (a model directory ships "
+            f"only its own files; put the file itself in its place to ship it)")
+
+
+def copy_own_files(directory: str, names, dest: str) -> list:
+    """Copy the regular files `names` of `directory` into `dest`: opened without following a
+    link (one swapped in since own_files looked is left out), written as new files (never over
+    one already in `dest`) with the user's umask.  The one copy every export makes
+    (bert-export, a fine-tuned model).  Returns the names written."""
     written = []
-    for name in listed_files(state, under):
-        rel = name[len(under):]
-        if "/" in rel:
-            continue  # the tokenizer is flat; nothing nested is ever written
-        with _open_regular(os.path.join(path, name)) as src, \
-                open(os.path.join(dest, rel), "xb") as out:
-            shutil.copyfileobj(src, out)
-        written.append(rel)
+    for name in own_files(directory, names)[0]:
+        try:
+            src = _open_regular(os.path.join(directory, name))
+        except OSError:  # ELOOP: a link now
+            continue
+        with src:
+            if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+                continue
+            with open(os.path.join(dest, name), "xb") as out:
+                shutil.copyfileobj(src, out)
+        written.append(name)
     return written
 
 
@@ -411,7 +446,7 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
             json.dump(state, f, indent=2)
         _fsync_tree(tmp)
         if os.path.exists(final):  # re-saving the same step
-            old = final + ".old"
+            old = os.path.join(root, OLD_PREFIX + step_dir_name(step))
             shutil.rmtree(old, ignore_errors=True)
             os.rename(final, old)
             os.rename(tmp, final)
@@ -491,9 +526,12 @@ def _load_plain(file: str):
 
 
 def load_states(path: str, rank: int) -> tuple:
-    """(optimizer state, extra state, this rank's RNG state or None)."""
+    """(optimizer state, extra state, this rank's RNG state or None).  The RNG state is read
+    only when trainer_state.json lists it (a checkpoint is the files its state lists): a rank
+    the saving run did not have, or a file left over or planted beside them, gets None."""
     opt = _load_plain(os.path.join(path, "optimizer.pt"))
     extra = _load_plain(os.path.join(path, "trainer_state.pt"))
-    rng_file = os.path.join(path, f"rng_state_rank{rank}.pt")
-    rng = _load_plain(rng_file) if os.path.isfile(rng_file) else None
+    rng_name = f"rng_state_rank{rank}.pt"
+    listed = rng_name in _read_json(path).get("files", {})
+    rng = _load_plain(os.path.join(path, rng_name)) if listed else None
     return opt, extra, rng

@@ -2,16 +2,10 @@
 resume from an older checkpoint does to the newer ones, which checkpoints are kept.
 
 A run's checkpoints are `<run_dir>/checkpoints/step-XXXXXXXX/` (checkpoint.py writes and reads
-one).  The run's *line* is the chain of checkpoints its current history went through, oldest
-first; `checkpoints/latest.json` records it, written atomically at every save:
-
-    {"format": 1, "line": [{"name": "step-00000004", "state_sha256": "..."}, ...]}
-
-"Newest" means the end of the line, not the highest step number: after a resume from step 4 of a
-run that had reached step 12, the line is 4 -> 8 -> 9, and step 9 is newest.  Each checkpoint also
-records its `parent` (the previous checkpoint of its line), so a save interrupted before the
-pointer was rewritten is still found (a child of the line's end), and a run without a pointer
-(older bert-train, a lost or damaged pointer) falls back to the highest valid step.
+one).  The run's *line* is the chain of checkpoints its current history went through:
+checkpoint_line.py records it (`checkpoints/latest.json`, each checkpoint's `parent`) and states
+its invariants.  "Newest" means the end of the line, not the highest step number: after a resume
+from step 4 of a run that had reached step 12, the line is 4 -> 8 -> 9, and step 9 is newest.
 
 - resume=auto continues from the newest checkpoint of the line that verifies; damaged ones are
   skipped with a warning naming each.
@@ -22,8 +16,11 @@ pointer was rewritten is still found (a child of the line's end), and a run with
   run directory the same way, and its metrics.jsonl starts with that run's history up to there.
 - Retention keeps the `keep_last_k` newest checkpoints of the line that verify, and never the one
   just written; checkpoints outside the line are never deleted.
-- Leftovers of interrupted saves are repaired before anything is searched: a `step-N.old` whose
-  `step-N` is missing (killed between the two renames of a re-save) is put back.
+- Leftovers of interrupted saves are repaired before anything is searched: a `.old-step-N` whose
+  `step-N` is missing (killed between the two renames of a re-save) is put back; the other names
+  a save leaves behind (`.tmp-step-*`, `.del-step-*`, `.old-step-*`, the pointer's temporary
+  file) are removed.  Nothing else in checkpoints/ is touched: a user's `step-N.old` backup
+  stays.
 
 Every process calls `save`; only the main process (rank 0) moves, deletes or writes the pointer.
 """
@@ -35,11 +32,12 @@ import time
 from typing import Callable, Optional
 
 from . import checkpoint as ckpt
+from .checkpoint_line import OLD_PREFIX, POINTER, CheckpointLine, Line
 from .errors import CheckpointError, ConfigError
 
-POINTER = "latest.json"
 ABANDONED_PREFIX = "abandoned-"
-POINTER_FORMAT = 1
+# What an interrupted save, deletion or pointer write leaves behind (all dot names).
+LEFTOVER_PREFIXES = (".tmp-step-", ".del-step-", OLD_PREFIX, POINTER + ".tmp-")
 
 
 def checkpoints_root(run_dir: str) -> str:
@@ -80,76 +78,25 @@ class CheckpointManager:
         self.keep_last_k, self.rank, self.barrier = keep_last_k, rank, barrier
         self.warn = warn or _warn_once
         """Called with each warning (one line, without a program prefix)."""
+        self.chain = CheckpointLine(self.root, self.warn)  # how the line is recorded and read
         self.line: list = []          # names in checkpoints/, oldest first
+        self.line_root: Optional[str] = None  # what the line's first checkpoint continues
         self.parent: Optional[str] = None  # what the next save continues
         self.damaged: set = set()     # names found damaged by `latest`
         self._begun = False
 
     # ------------------------------------------------------------------ reading
     def _path(self, name: str) -> str:
-        """The directory of checkpoint `name`; a `step-N.old` left by a killed re-save stands in
-        for a missing `step-N` (read-only callers do not repair)."""
-        path = os.path.join(self.root, name)
-        if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-            return path + ".old"
-        return path
-
-    def _exists(self, name: str) -> bool:
-        return os.path.isfile(os.path.join(self._path(name), ckpt.STATE_JSON))
+        return self.chain.path(name)
 
     def _names(self) -> list:
-        """Every complete-looking checkpoint name in checkpoints/, by step."""
-        names = {os.path.basename(p) for _, p in list_checkpoints(self.run_dir)}
-        if os.path.isdir(self.root):
-            names |= {n[:-4] for n in os.listdir(self.root)
-                      if n.endswith(".old") and ckpt.STEP_DIR.match(n[:-4])}
-        return sorted((n for n in names if self._exists(n)), key=ckpt.step_of)
-
-    def _read_pointer(self) -> Optional[list]:
-        """The recorded line (entries, oldest first), or None when there is no usable pointer."""
-        file = os.path.join(self.root, POINTER)
-        if not os.path.lexists(file):
-            return None
-        try:
-            if not os.path.isfile(file) or os.path.islink(file) or \
-                    os.path.getsize(file) > ckpt.MAX_STATE_BYTES:
-                raise ValueError("not a regular file of a sensible size")
-            import json
-
-            with open(file, encoding="utf-8") as f:
-                content = json.load(f)
-            line = content["line"]
-            if content.get("format") != POINTER_FORMAT or not isinstance(line, list) or not all(
-                    isinstance(e, dict) and isinstance(e.get("name"), str) and
-                    ckpt.STEP_DIR.match(e["name"]) for e in line):
-                raise ValueError("unexpected content")
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            self.warn(f"{file} is unreadable ({str(exc).splitlines()[0]}); "
-                      f"finding the newest checkpoint by step number instead")
-            return None
-        return line
-
-    def _parent_of(self, name: str) -> Optional[str]:
-        try:
-            return ckpt.read_train_state(self._path(name), verify=False).get("parent")
-        except CheckpointError:
-            return None
+        return self.chain.names()
 
     def current_line(self) -> list:
-        """The line's names, oldest first: the pointer's (those still present), extended by
-        checkpoints whose parent is its end (a save that was killed before the pointer was
-        rewritten); without a pointer, every checkpoint by step."""
-        entries = self._read_pointer()
-        if entries is None:
-            return self._names()
-        line = [e["name"] for e in entries if self._exists(e["name"])]
-        present = self._names()
-        while line:
-            children = [n for n in present if n not in line and self._parent_of(n) == line[-1]]
-            if not children:
-                break
-            line.append(max(children, key=ckpt.step_of))
-        return line
+        """The line's names, oldest first (checkpoint_line.py: the pointer's, extended by a
+        save that was killed before the pointer was rewritten; without a pointer, every
+        checkpoint by step)."""
+        return self.chain.read().names
 
     def latest(self, verify: bool = True) -> Optional[str]:
         """The newest checkpoint of the run's line whose files verify (damaged ones are skipped,
@@ -177,22 +124,23 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ resuming
     def repair(self) -> None:
-        """Main process, before any search: remove leftovers of interrupted saves and deletions
-        (never valid checkpoints); put back a `step-N.old` whose `step-N` is missing (the only
-        copy of that checkpoint)."""
+        """Main process, before any search: remove what interrupted saves and deletions left
+        (never a checkpoint, never anything a save did not write); put back a `.old-step-N`
+        whose `step-N` is missing (the only copy of that checkpoint)."""
         if not os.path.isdir(self.root):
             return
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
-            if name.endswith(".old") and ckpt.STEP_DIR.match(name[:-4]) and \
-                    not os.path.exists(path[:-4]):
-                os.rename(path, path[:-4])
-            elif name.startswith((".tmp-step-", ".del-step-")) or name.endswith(".old") or \
-                    name.startswith(POINTER + ".tmp-"):
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    os.remove(path)
+            if not name.startswith(LEFTOVER_PREFIXES):
+                continue
+            step_name = name[len(OLD_PREFIX):] if name.startswith(OLD_PREFIX) else None
+            if step_name and ckpt.STEP_DIR.match(step_name) and \
+                    not os.path.exists(os.path.join(self.root, step_name)):
+                os.rename(path, os.path.join(self.root, step_name))
+            elif os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
 
     def find(self, resume: str) -> Optional[str]:
         """The checkpoint to resume from (resume = never | auto | a checkpoint path), verified,
@@ -224,20 +172,25 @@ class CheckpointManager:
         or None for a fresh run). Checkpoints newer than `source` that are not on it are moved
         aside (a branch). Returns the names moved."""
         name = self._inside(source) if source else None
-        before = self.current_line()
+        before = self.chain.read()
         self._begun = True
         if name is not None:
-            self.line = before[:before.index(name) + 1] if name in before else [name]
+            if name in before.names:
+                self.line, self.line_root = before.names[:before.names.index(name) + 1], \
+                    before.root
+            else:
+                self.line, self.line_root = [name], self.chain.parent_of(name)
             self.parent = name
         else:
             self.line, self.parent = [], (os.path.abspath(source) if source else None)
+            self.line_root = self.parent
             if source:
                 self._inherit_metrics(source)
         since = -1 if source is None else ckpt.read_train_state(source, verify=False)["step"]
         newer = [n for n in self._names() if n not in self.line and ckpt.step_of(n) > since]
         if newer:
             self._move_aside(newer, source)
-        if source is not None or newer or os.path.lexists(os.path.join(self.root, POINTER)):
+        if source is not None or newer or self.chain.has_pointer():
             self._write_pointer()
         return newer
 
@@ -277,24 +230,16 @@ class CheckpointManager:
                   f"copied there); move them back to continue that line instead")
 
     def _write_pointer(self) -> None:
-        entries = []
-        for name in self.line:
-            try:
-                sha = ckpt.read_train_state(self._path(name), verify=False).get("state_sha256")
-            except CheckpointError:
-                sha = None
-            entries.append({"name": name, "state_sha256": sha})
-        os.makedirs(self.root, exist_ok=True)
-        ckpt.write_json_atomic(os.path.join(self.root, POINTER),
-                               {"format": POINTER_FORMAT, "line": entries})
+        root = self.line_root if isinstance(self.line_root, str) else None
+        self.chain.write(Line(self.line, root))
 
     # ------------------------------------------------------------------ saving
     def save(self, step: int, **payload) -> str:
         """Write checkpoint `step` continuing the line (every process calls this), record it as
         the newest, then apply retention. Returns its path."""
         if self.rank == 0 and not self._begun:  # no begin(): continue the line as it stands
-            self.line, self._begun = self.current_line(), True
-            self.parent = self.line[-1] if self.line else None
+            line, self._begun = self.chain.read(), True
+            self.line, self.line_root, self.parent = line.names, line.root, line.end
         train_state = {**payload.pop("train_state"), "parent": self.parent}
         try:
             path = ckpt.write_checkpoint(self.root, step, train_state=train_state,

@@ -71,7 +71,7 @@ def export(source: str, out_dir: str, head: str = "pretraining") -> str:
     from . import checkpoint as ckpt
     from .hf_import import is_hf_model_dir
     from .model import BertForPreTraining
-    from .model_loading import checkpoint_config, resolve_checkpoint
+    from .model_loading import checkpoint_config, checkpoint_tokenizer_files, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file; choose a new output directory")
@@ -106,8 +106,8 @@ def export(source: str, out_dir: str, head: str = "pretraining") -> str:
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
             json.dump(hf_config, f, indent=2)
-        under = ckpt.TOKENIZER_DIR + "/"
-        if not ckpt.copy_listed(checkpoint_dir, state, under, tmp):
+        if not ckpt.copy_own_files(os.path.join(checkpoint_dir, ckpt.TOKENIZER_DIR),
+                                   checkpoint_tokenizer_files(state), tmp):
             print(f"bert-export: warning: {checkpoint_dir} has no tokenizer/; only the model was "
                   f"exported", file=sys.stderr)
         # What the user's umask gives a new file and directory (mkdtemp makes 0700 and

@@ -5,16 +5,24 @@
 * a transformers directory (`bert-export` output, or any `save_pretrained` BERT).
 
 The result is OUR model (`bert_pretrain.model`), so pre-LN and relative-position models work
-everywhere, plus the directory holding its tokenizer.
+everywhere, plus the directory holding its tokenizer and which of its files are the tokenizer:
+what the format lists (a checkpoint: the files its state lists under tokenizer/; a transformers
+directory: TOKENIZER_FILES), regular files only.  An export ships those and nothing else of the
+directory (a transformers directory also holds the model's own config.json and weights).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import CheckpointError
+
+# A BERT tokenizer's files in a transformers directory (what bert-prep writes, and the added
+# tokens transformers may save beside them).
+TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json")
 
 
 @dataclass
@@ -23,6 +31,11 @@ class LoadedModel:
     tokenizer_dir: Optional[str]
     source: str
     """What was loaded, for messages: the checkpoint or the transformers directory."""
+    tokenizer_files: list = field(default_factory=list)
+    """The tokenizer's files in tokenizer_dir that an export may copy (regular files the format
+    lists)."""
+    left_out: list = field(default_factory=list)
+    """Tokenizer files that are not copied, each a warning line (a symbolic link...)."""
 
 
 def resolve_checkpoint(path: str, warn=None) -> str:
@@ -76,15 +89,28 @@ def load_model(path: str, warn=None) -> LoadedModel:
         config, state = read_hf_model(path)
         model = BertForPreTraining(BertConfig.from_dict(config), ModelImpl())
         model.load_state_dict(state, strict=True)
-        tokenizer = path if _has_tokenizer(path) else None
-        return LoadedModel(model.eval(), tokenizer, path)
+        if not _has_tokenizer(path):
+            return LoadedModel(model.eval(), None, path)
+        files, refused = ckpt.own_files(path, TOKENIZER_FILES)
+        return LoadedModel(model.eval(), path, path, files,
+                           [ckpt.refusal(path, name) for name in refused])
     checkpoint = resolve_checkpoint(path, warn)
     model = BertForPreTraining(checkpoint_config(checkpoint), ModelImpl())
     ckpt.load_weights(checkpoint, model)
     tokenizer = os.path.join(checkpoint, ckpt.TOKENIZER_DIR)
-    has = ckpt.listed_files(ckpt.read_train_state(checkpoint), ckpt.TOKENIZER_DIR + "/")
-    return LoadedModel(model.eval(), tokenizer if _has_tokenizer(tokenizer) and has else None,
-                       checkpoint)
+    files = checkpoint_tokenizer_files(ckpt.read_train_state(checkpoint))
+    if not (_has_tokenizer(tokenizer) and files):
+        return LoadedModel(model.eval(), None, checkpoint)
+    return LoadedModel(model.eval(), tokenizer, checkpoint, files)
+
+
+def checkpoint_tokenizer_files(state: dict) -> list:
+    """The tokenizer files a checkpoint's state lists (names inside its tokenizer/; the
+    tokenizer is flat, so nothing nested)."""
+    from . import checkpoint as ckpt
+
+    under = ckpt.TOKENIZER_DIR + "/"
+    return [n[len(under):] for n in ckpt.listed_files(state, under) if "/" not in n[len(under):]]
 
 
 def one_line_warnings(prog: str) -> None:

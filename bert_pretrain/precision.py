@@ -70,15 +70,19 @@ class Precision:
 
     def step(self, optimizer, finite: bool) -> bool:
         """Apply the step if the loss and gradients are finite; returns whether it was applied.
-        With a scaler, it also adapts the scale (lowered after a skip)."""
-        if finite:
-            if self.scaler is not None:
-                self.scaler.step(optimizer)
-            else:
+        With a scaler, it also adapts the scale (lowered after a skip).  The scaler also skips
+        a step on its own when an unscaled gradient holds inf/nan (which `finite` need not have
+        seen: a caller may not measure every gradient); it then lowers the scale, and that is
+        how a skip is told from an applied step here."""
+        if self.scaler is None:
+            if finite:
                 optimizer.step()
-        if self.scaler is not None:
-            self.scaler.update()
-        return finite
+            return finite
+        before = self.scaler.get_scale()
+        if finite:
+            self.scaler.step(optimizer)
+        self.scaler.update()
+        return finite and self.scaler.get_scale() >= before
 
     def nonfinite_limit(self, max_nonfinite_steps: int) -> int:
         """Consecutive skipped steps after which the run stops."""

@@ -101,11 +101,11 @@ def check_seed(old: Optional[dict], seed: int, checkpoint: str) -> None:
         )
 
 
-def describe(changes: list, lr_change: Optional[tuple]) -> str:
+def describe(changes: list, moves: list) -> str:
+    """The changed settings, then what they move at the resume step: (name, step, old, new)."""
     parts = [f"{key} {old!r} -> {new!r}" for key, old, new in changes]
-    if lr_change is not None:
-        step, before, after = lr_change
-        parts.append(f"learning rate at step {step}: {before:.3g} -> {after:.3g}")
+    parts += [f"{name} at step {step}: {before:.3g} -> {after:.3g}"
+              for name, step, before, after in moves]
     return "; ".join(parts)
 
 
@@ -138,9 +138,43 @@ def lr_change_at(old: dict, step: int, new_lr: Optional[float]) -> Optional[tupl
     return None if math.isclose(before, new_lr, rel_tol=1e-12) else (step, before, new_lr)
 
 
+def progress_moves_at(old: dict, new: dict, step: int, prep_masking_rate: Optional[float]
+                      ) -> list:
+    """What follows the share of training done (step / max_steps) and moves at the resume step
+    when max_steps changes: the scheduled masking rate and the attention locality's strength,
+    as (name, step, old value, new value).  So a decay branched off a warmup-stable-decay run
+    with another max_steps cannot equal a run planned that way when either is on (the history
+    up to the branch used the long run's values); the warning says what jumps.  Budget mode
+    (progress follows time) and an older config layout: nothing."""
+    from .data import DataConfig
+    from .trainer_config import TrainerConfig
+
+    def typed(cls, section):
+        return cls(**{k: v for k, v in section.items() if k in cls.__dataclass_fields__})
+
+    moves = []
+    try:
+        trainers = [typed(TrainerConfig, c["trainer"]) for c in (old, new)]
+        if any(t.budget_hours is not None for t in trainers):
+            return []
+        data = [typed(DataConfig, c["data"]) for c in (old, new)]
+        if prep_masking_rate is not None and all(d.masking == "dynamic" for d in data):
+            rates = [d.masking_rate(prep_masking_rate, t.progress(step, 0.0))
+                     for d, t in zip(data, trainers)]
+            moves.append(("masking rate", step, *rates))
+        strengths = [t.locality_strength(step, 0.0) * t.attention_locality for t in trainers]
+        moves.append(("attention locality", step, *strengths))
+    except (KeyError, TypeError, ValueError):  # a checkpoint of an older config layout
+        return []
+    return [m for m in moves if not math.isclose(m[2], m[3], rel_tol=1e-12, abs_tol=1e-12)]
+
+
 def changed_settings_warning(checkpoint: str, saved: Optional[dict], resolved: dict, step: int,
-                             new_lr: Optional[float]) -> Optional[str]:
-    """The one warning line of a resume with changed settings, or None when nothing changed."""
+                             new_lr: Optional[float],
+                             prep_masking_rate: Optional[float] = None) -> Optional[str]:
+    """The one warning line of a resume with changed settings, or None when nothing changed.
+    `prep_masking_rate`: bert-prep's masking rate (what a dynamic schedule ends at by default),
+    to name a scheduled masking rate's move."""
     from .redact import redact
 
     if saved is None:
@@ -149,5 +183,8 @@ def changed_settings_warning(checkpoint: str, saved: Optional[dict], resolved: d
     changes = changed_settings(saved, redact(resolved))
     if not changes:
         return None
+    lr = lr_change_at(saved, step, new_lr)
+    moves = ([("learning rate", *lr)] if lr else []) + \
+        progress_moves_at(saved, resolved, step, prep_masking_rate)
     return (f"bert-train: warning: resuming {checkpoint} with changed settings (they apply from "
-            f"step {step} on): {describe(changes, lr_change_at(saved, step, new_lr))}")
+            f"step {step} on): {describe(changes, moves)}")

@@ -222,7 +222,8 @@ class Trainer:
         new_lr = None if self.tc.budget_hours is not None else \
             self.s.optim.lr * self.schedule.factor(self.step)
         line = changed_settings_warning(self.resume_path, self.saved_config,
-                                        self.resolved_config, self.step, new_lr)
+                                        self.resolved_config, self.step, new_lr,
+                                        getattr(self.stream.masker, "prep_prob", None))
         if line:
             self.log.warning(line)
 

@@ -95,6 +95,23 @@ FAST = ["recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.batch_size=16", "recipe
         "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval_batch_size=32"]
 
 
+def kill_fine_tune_at(monkeypatch, step: int):
+    """Make every fine-tune stop with RuntimeError('killed') when it reaches `step` (as a kill
+    would, after the checkpoints saved before it). Returns the train_step it wraps, to put
+    back with monkeypatch.setattr(FineTune, "train_step", ...)."""
+    from bert_pretrain.finetune.runner import FineTune
+
+    real_step = FineTune.train_step
+
+    def killed_at(self):
+        if self.step == step:
+            raise RuntimeError("killed")
+        return real_step(self)
+
+    monkeypatch.setattr(FineTune, "train_step", killed_at)
+    return real_step
+
+
 def compose_finetune(overrides: list, config_name: str = "finetune"):
     from hydra import compose, initialize_config_dir
 

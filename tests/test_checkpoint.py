@@ -197,8 +197,10 @@ def test_killed_between_the_renames_of_a_resave_keeps_the_checkpoint(tmp_path):
     model = BertForPreTraining(BertConfig(**SMALL))
     run = str(tmp_path / "run")
     path = _save(run, 1, model)
-    os.rename(path, path + ".old")  # what a crash between rename(final, old) and
+    old = os.path.join(cm.checkpoints_root(run), ".old-step-00000001")
+    os.rename(path, old)  # what a crash between rename(final, old) and
     os.makedirs(path.replace("step-", ".tmp-step-"))  # rename(tmp, final) leaves
+    assert cm.latest_checkpoint(run) == old  # (read in its place before the repair)
     cm.CheckpointManager(run).repair()
     assert cm.latest_checkpoint(run) == path
     assert sorted(os.listdir(cm.checkpoints_root(run))) == [cm.POINTER, "step-00000001"]

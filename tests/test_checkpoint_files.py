@@ -177,3 +177,26 @@ def test_a_checkpoint_copies_only_the_tokenizers_regular_files(tmp_path):
         _save(str(tmp_path / "run"), 1, BertForPreTraining(BertConfig(**SMALL)),
               tokenizer_dir=str(tok))
     assert cm.list_checkpoints(str(tmp_path / "run")) == []
+
+
+def test_an_rng_state_the_checkpoint_does_not_list_is_not_loaded(tmp_path):
+    """A rank's RNG state is a file of the checkpoint only when trainer_state.json lists it
+    (verified like every listed file); one it does not list, left over or planted, is ignored,
+    as a rank without a saved state is (it keeps the RNG it has)."""
+    import torch
+
+    from test_checkpoint import SMALL, _save
+    from bert_pretrain.model import BertConfig, BertForPreTraining
+
+    path = _save(str(tmp_path / "run"), 1, BertForPreTraining(BertConfig(**SMALL)))
+    assert ckpt.load_states(path, 0)[2] is not None  # listed: loaded
+    torch.save(ckpt.rng_state(), os.path.join(path, "rng_state_rank1.pt"))  # planted
+    file = os.path.join(path, ckpt.STATE_JSON)
+    state = json.load(open(file))
+    del state["files"]["rng_state_rank0.pt"]  # and rank 0's no longer listed
+    state["state_sha256"] = ckpt._state_digest(state)
+    json.dump(state, open(file, "w"))
+    ckpt._verified.clear()
+    ckpt.verify_checkpoint(path)  # (unlisted files do not make a checkpoint invalid)
+    assert ckpt.load_states(path, 0)[2] is None
+    assert ckpt.load_states(path, 1)[2] is None

@@ -186,13 +186,13 @@ def test_the_line_is_found_without_its_pointer_and_after_a_save_killed_before_it
 
 def test_an_interrupted_resave_is_repaired_before_resume_auto_searches(data, tmp_path, capsys):
     """Killed between the two renames of a re-save, the only good copy of step 4 is
-    step-00000004.old: resume=auto puts it back and continues from it (not from step 0, which
+    .old-step-00000004: resume=auto puts it back and continues from it (not from step 0, which
     would also have emptied metrics.jsonl)."""
     run = tmp_path / "run"
     _train(data, run, "trainer.max_steps=4", "trainer.checkpoint_every=4",
            "trainer.keep_last_k=5")
     path = os.path.join(cm.checkpoints_root(str(run)), "step-00000004")
-    os.rename(path, path + ".old")
+    os.rename(path, os.path.join(cm.checkpoints_root(str(run)), ".old-step-00000004"))
     os.makedirs(os.path.join(cm.checkpoints_root(str(run)), ".tmp-step-00000004"))
     capsys.readouterr()
     _train(data, run, "trainer.max_steps=6", "trainer.checkpoint_every=4",
@@ -229,26 +229,47 @@ def test_a_resumed_run_logs_exactly_what_an_uninterrupted_run_logs(data, tmp_pat
     assert again == strip
 
 
-def test_tokens_per_s_counts_training_time_only(data, tmp_path, monkeypatch):
-    """An evaluation (here made to take 2 s) between two logged records does not show as a
-    collapse of the tokens/s of the record after it."""
-    import time
+class FakeClock:
+    """A stand-in for the trainer's `time` module whose clock moves only when read (a
+    millisecond a reading) or told to (`sleep`): what a test measures with it does not depend on
+    how fast or how busy the machine is."""
 
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+    monotonic = time = perf_counter
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_tokens_per_s_counts_training_time_only(data, tmp_path, monkeypatch):
+    """An evaluation between two logged records (here 1,000 s long, on the fake clock) shows
+    neither in the tokens/s of the record after it nor in the training time (elapsed_s, which
+    a time budget spends): both count the training steps only."""
+    from bert_pretrain import trainer as trainer_module
     from bert_pretrain.trainer import Trainer
 
+    clock = FakeClock()
+    monkeypatch.setattr(trainer_module, "time", clock)
     real = Trainer.run_evaluation
 
     def slow_evaluation(self, *args, **kwargs):
-        time.sleep(2.0)
+        clock.sleep(1000.0)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "run_evaluation", slow_evaluation)
     _train(data, tmp_path / "run", "trainer.max_steps=4", "trainer.log_every=2",
            "trainer.eval_every=2")
-    after = [r for r in read_metrics(str(tmp_path / "run")) if "loss" in r and r["step"] == 4][0]
-    tokens = after["tokens_seen"] - [r for r in read_metrics(str(tmp_path / "run"))
-                                     if "loss" in r and r["step"] == 2][0]["tokens_seen"]
-    assert tokens / after["tokens_per_s"] < 2.0  # the window's seconds: its two steps only
+    records = {r["step"]: r for r in read_metrics(str(tmp_path / "run")) if "loss" in r}
+    seconds = (records[4]["tokens_seen"] - records[2]["tokens_seen"]) / records[4]["tokens_per_s"]
+    assert 0 < seconds < 1.0  # the window's two steps: a few readings of the clock each
+    assert records[4]["elapsed_s"] < 1.0  # the 1,000 s evaluation is not training time
+    assert clock.now > 1000.0  # (the evaluation did take its 1,000 s)
 
 
 def test_begin_moves_nothing_when_resuming_the_newest(tmp_path):

@@ -46,6 +46,36 @@ def test_glue_tsv_files_read_as_glue_writes_them(task, tmp_path):
     assert got.tolist() == expected
 
 
+def test_glue_files_that_start_with_a_byte_order_mark(tmp_path):
+    """GLUE's MRPC files are written with a UTF-8 byte order mark before the header's first
+    column ('\ufeffQuality'): they read as the files without it."""
+    folder = write_glue_task(str(tmp_path), "mrpc", n_train=20, n_dev=12)
+    plain = read_task(TaskConfig(name="mrpc", data_dir=folder))
+    for name in ("train.tsv", "dev.tsv"):
+        path = os.path.join(folder, name)
+        text = open(path, encoding="utf-8").read()
+        with open(path, "w", encoding="utf-8-sig") as f:
+            f.write(text)
+        assert open(path, "rb").read(3) == b"\xef\xbb\xbf"
+    marked = read_task(TaskConfig(name="mrpc", data_dir=folder))
+    assert marked.train.text_a == plain.train.text_a and marked.train.text_b == \
+        plain.train.text_b
+    assert marked.train.labels.tolist() == plain.train.labels.tolist()
+    assert marked.evals[""].labels.tolist() == plain.evals[""].labels.tolist()
+
+
+def test_custom_files_that_start_with_a_byte_order_mark(tmp_path):
+    """A spreadsheet's 'CSV UTF-8' export starts with one too: its first column keeps its
+    name."""
+    path = write_csv(str(tmp_path / "data.csv"), ["text", "label"], sentence_examples(8, 1))
+    text = open(path, encoding="utf-8").read()
+    with open(path, "w", encoding="utf-8-sig") as f:
+        f.write(text)
+    data = read_task(TaskConfig(name="custom", train_file=path, validation_file=path,
+                                text_columns=["text"]))
+    assert len(data.train) == 8 and data.train.text_a[0] == sentence_examples(8, 1)[0][0]
+
+
 def test_save_to_disk_folder(tmp_path):
     datasets = pytest.importorskip("datasets")
     rows = pair_examples(30, 7)
@@ -130,6 +160,16 @@ def _custom(tmp_path, header, rows, *extra):
     return ["task=custom", f"task.train_file={path}", f"task.validation_file={path}", *extra]
 
 
+def _regression(tmp_path, metric, *model):
+    """A regression task scored by a classification metric (a short recipe: a config that is
+    accepted trains to the end before it is scored)."""
+    rows = [(s, 0.5 + 3.0 * y) for s, y in sentence_examples(16, 5)]
+    return [*_custom(tmp_path, ["text", "score"], rows, "task.text_columns=[text]",
+                     "task.label_column=score", "task.num_labels=1", f"task.metrics=[{metric}]"),
+            *model, "recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.epochs=1",
+            "recipe.max_length=16"]
+
+
 @pytest.mark.parametrize("case,expected", [
     ("unknown task", "did you mean task=stsb?"),
     ("unknown task name", "task.name 'sst3' is not a task: use one of cola, sst2"),
@@ -143,6 +183,9 @@ def _custom(tmp_path, header, rows, *extra):
     ("bad precision", "trainer.mixed_precision must be one of auto, no, bf16, fp16"),
     ("a bert-train setting", "'data' is a bert-train setting (conf/train/), not a "
                              "bert-finetune one"),
+    ("regression scored by accuracy", "task.metrics: accuracy scores classes; a regression "
+                                      "task (task.num_labels=1) is scored by pearson, spearman"),
+    ("regression scored by mcc", "task.metrics: mcc scores classes; a regression task"),
 ])
 def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monkeypatch,
                                              capsys):
@@ -165,6 +208,8 @@ def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monk
         "missing model": lambda: [f"model={tmp_path / 'nothing'}", f"out_dir={tmp_path / 'out'}"],
         "bad precision": lambda: ["trainer.mixed_precision=bf17", *model],
         "a bert-train setting": lambda: ["data.dir=prepared/x", *model],
+        "regression scored by accuracy": lambda: _regression(tmp_path, "accuracy", *model),
+        "regression scored by mcc": lambda: _regression(tmp_path, "mcc", *model),
     }[case]()
     line = error_line(cli, args, monkeypatch, capsys)
     assert line.startswith("bert-finetune: error: ") and expected in line, line

@@ -8,6 +8,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from bert_pretrain.finetune.downstream import DownstreamConfig, downstream_score
 from finetune_support import FAST, glue_in_process, pretrained_run, write_glue_task
@@ -53,6 +54,12 @@ def test_table_json_and_picture(run, glue_dir, tmp_path, one_thread):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     # the pretrained encoder learned the sentence task (label: w0 in the sentence)
     assert first["tasks"]["sst2"]["score"] >= 0.75
+    # the same out_dir with another recipe: the grid goes beside the first, which stays
+    kept = (out / "run" / "sst2" / "finetune.json").read_bytes()
+    other = glue_in_process([f"models=[{run}]", "tasks=[sst2]", f"data_dir={glue_dir}", *FAST,
+                             "recipe.max_length=24", f"out_dir={out}"])
+    assert other["models"][0]["tasks"]["sst2"]["out_dir"] == str(out / "run" / "sst2-2")
+    assert (out / "run" / "sst2" / "finetune.json").read_bytes() == kept
 
 
 def test_downstream_score_of_a_finished_run(run, glue_dir, tmp_path, monkeypatch):
@@ -116,3 +123,66 @@ def test_bert_train_ends_with_the_downstream_score_it_returns(glue_dir, tmp_path
     assert objective == logged[0]["downstream_score"] == logged[0]["downstream_sst2"]
     assert objective >= 0.75  # the encoder learned the sentence task (label: w0 in it)
     assert (run / "downstream" / "glue.json").is_file()
+
+
+def test_extending_a_run_with_downstream_tasks_scores_its_new_end_beside(glue_dir, tmp_path):
+    """resume=auto with a larger max_steps: the new final checkpoint is fine-tuned into a
+    folder of its own beside the first one's scores (which stay as they were), and a later
+    resume=auto of the finished run reuses them instead of failing or fine-tuning again."""
+    from train_support import read_metrics, train_in_process, write_prepared
+
+    prepared = write_prepared(str(tmp_path / "prep"), num_train=64, num_valid=8)
+    run = tmp_path / "run"
+    overrides = [o for o in FAST if not o.startswith(("recipe.lrs", "recipe.seeds",
+                                                      "recipe.epochs"))]
+    common = ["experiment=smoke", f"data.dir={prepared}", f"run_dir={run}",
+              "trainer.checkpoint_every=10", "trainer.eval_every=0", "downstream.tasks=[sst2]",
+              f"downstream.data_dir={glue_dir}", "downstream.lrs=[1e-3]", "downstream.epochs=1",
+              "downstream.max_train_samples=64", "trainer.report=false",
+              "downstream.overrides=[" + ",".join(f"'{o}'" for o in overrides) + "]",
+              "objective=downstream_score"]
+    first = train_in_process([*common, "trainer.max_steps=10"])
+    glue_json = (run / "downstream" / "glue.json").read_bytes()
+    second = train_in_process([*common, "trainer.max_steps=20", "resume=auto"])
+    logged = [r for r in read_metrics(str(run)) if "downstream_score" in r]
+    assert [r["step"] for r in logged] == [10, 20]
+    assert [r["downstream_score"] for r in logged] == [first, second]
+    assert (run / "downstream" / "glue.json").read_bytes() == glue_json  # step 10's, as it was
+    beside = json.loads((run / "downstream-2" / "glue.json").read_text())
+    assert beside["models"][0]["tasks"]["sst2"]["checkpoint"].endswith("step-00000020")
+    assert beside["models"][0]["tasks"]["sst2"]["score"] == second
+    result = run / "downstream-2" / "model" / "sst2" / "lr0.001-seed1" / "result.json"
+    done = result.stat().st_mtime_ns
+    assert train_in_process([*common, "trainer.max_steps=20", "resume=auto"]) == second
+    assert result.stat().st_mtime_ns == done  # reused, not fine-tuned again
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("downstream")) == \
+        ["downstream", "downstream-2"]
+
+
+def test_the_random_init_control_starts_from_fresh_weights(run, glue_dir, tmp_path,
+                                                           monkeypatch, one_thread):
+    """controls=true fine-tunes each model twice: from its pretrained encoder, and from a
+    fresh initialisation of the same architecture. What each fine-tune starts from is checked
+    against the pretrained encoder's weights, not only by the control's label."""
+    from bert_pretrain.finetune.pretrained import load_pretrained
+    from bert_pretrain.finetune.runner import FineTune
+
+    starts = {}
+    real_setup = FineTune._setup
+
+    def setup(self):
+        real_setup(self)
+        starts[self.job.settings.init] = {k: v.clone() for k, v in
+                                          self.raw_model.state_dict().items()}
+
+    monkeypatch.setattr(FineTune, "_setup", setup)
+    glue_in_process([f"models=[{run}]", "tasks=[sst2]", f"data_dir={glue_dir}",
+                     "controls=true", "max_train_samples=32", *FAST, "recipe.epochs=1",
+                     f"out_dir={tmp_path / 'glue'}"])
+    encoder = load_pretrained(run).encoder_state
+    assert sorted(starts) == ["pretrained", "random"]
+    matrices = [k for k, v in encoder.items() if v.ndim == 2]
+    assert len(matrices) >= 10
+    for key in matrices:
+        assert torch.equal(starts["pretrained"][key], encoder[key]), key
+        assert not torch.allclose(starts["random"][key], encoder[key], atol=1e-3), key

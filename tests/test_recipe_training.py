@@ -115,6 +115,30 @@ def test_a_decay_branched_from_a_stable_checkpoint_equals_a_run_planned_that_way
         [cm.POINTER] + [f"step-{s:08d}" for s in range(2, 17, 2)]
 
 
+def test_a_branch_with_another_max_steps_names_the_masking_rate_it_jumps_to(data, tmp_path,
+                                                                           capsys):
+    """A masking-rate schedule follows step / max_steps: a decay branched off with another
+    max_steps cannot equal a run planned that way (the long run's history used the long
+    schedule's rates), and its rate moves at the branch point. The resume's warning says so
+    with the rates before and after, as it does for the learning rate."""
+    recipe = ["scheduler=wsd", "scheduler.decay_steps=4", "trainer.warmup_steps=2",
+              "trainer.checkpoint_every=2", "data.masking=dynamic", "data.masked_lm_prob=0.15",
+              "data.masked_lm_prob_start=0.3"]
+    _train(data, tmp_path / "long", *recipe, "trainer.max_steps=16")
+    stable = os.path.join(cm.checkpoints_root(str(tmp_path / "long")), "step-00000006")
+    capsys.readouterr()
+    _train(data, tmp_path / "decay6", *recipe, "trainer.max_steps=10", f"resume={stable}")
+    warning = [ln for ln in capsys.readouterr().err.splitlines() if "changed settings" in ln]
+    assert len(warning) == 1, warning
+    before, after = 0.3 - 0.15 * 6 / 16, 0.3 - 0.15 * 6 / 10
+    assert f"masking rate at step 6: {before:.3g} -> {after:.3g}" in warning[0]
+    assert "learning rate at step" not in warning[0]  # (the WSD rate itself does not move)
+    rates = {r["step"]: r["masked_lm_prob"] for r in read_metrics(str(tmp_path / "decay6"))
+             if "loss" in r}
+    assert rates[6] == pytest.approx(0.3 - 0.15 * 5 / 16)  # the long run's, up to the branch
+    assert rates[7] == pytest.approx(after)                 # then the branch's own schedule
+
+
 def test_one_and_two_processes_train_the_same_through_the_batch_warmup(data, tmp_path):
     from test_distributed import train_1proc, train_accelerate
 

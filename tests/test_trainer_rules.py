@@ -51,6 +51,33 @@ def test_unchanged_resume_warns_nothing_and_a_changed_one_names_each_change(
     assert "trainer.max_steps 4 -> 40" in (run / "train.log").read_text()
 
 
+def test_a_resume_with_another_max_steps_names_the_attention_locality_it_jumps_to():
+    """The attention locality fades over a share of max_steps: another max_steps moves its
+    strength at the resume step, said with the values before and after (as the learning rate
+    and a scheduled masking rate are); with max_steps unchanged nothing moves."""
+    from bert_pretrain.resume import changed_settings_warning
+
+    def config(max_steps):
+        return {"trainer": {"max_steps": max_steps, "warmup_steps": 1,
+                            "attention_locality": 1.0, "attention_locality_hold": 0.2,
+                            "attention_locality_end": 0.45},
+                "data": {"masking": "static"}, "optim": {"lr": 1e-3},
+                "scheduler": {"name": "constant"}}
+
+    # step 30 of 100: 0.2 of the way from hold to end (1 -> 0.6); of 40: past the end (0)
+    line = changed_settings_warning("ckpt", config(100), config(40), 30, 1e-3)
+    assert "trainer.max_steps 100 -> 40" in line and \
+        "attention locality at step 30: 0.6 -> 0" in line
+    assert "learning rate" not in line  # (constant)
+    same = changed_settings_warning("ckpt", config(100), {**config(100), "seed": 2}, 30, 1e-3)
+    assert same is None
+    # with a time budget the fade follows the time spent, which a resume does not change
+    budget = [config(100), config(40)]
+    for c in budget:
+        c["trainer"].update(budget_hours=1.0)
+    assert "attention locality" not in changed_settings_warning("ckpt", *budget, 30, None)
+
+
 def test_resume_applies_the_new_optimizer_settings(tmp_path, synthetic):
     run = tmp_path / "run"
     train_in_process(base(synthetic, run, "trainer.max_steps=3"))

@@ -59,7 +59,7 @@ def finetune(s, config_yaml: str) -> dict:
             f"{session.precision} ({session.precision_reason}); out_dir {s.out_dir}")
         summary = run_grid(session, job, s.out_dir, say)
         say(f"bert-finetune: {describe_summary(summary)}")
-        say(f"  results: {os.path.join(s.out_dir, 'finetune.json')}"
+        say(f"  results: {os.path.join(summary['out_dir'], 'finetune.json')}"
             + (f"; model: {summary['model_dir']}" if summary.get("model_dir") else ""))
         return summary
     finally:

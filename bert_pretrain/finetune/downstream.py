@@ -9,7 +9,10 @@ The fine-tunes run as a separate `bert-glue` process: a pretraining run under ac
 its process group, its accelerator state (a process-wide singleton) and its optimizer's memory,
 none of which a fine-tune should share, and a subprocess started by the main process is one
 process whatever the pretraining's world size. Its output (glue.json, glue.md, the per-task
-fine-tunes) stays in `out_dir`, so a rerun of the trial skips what finished.
+fine-tunes) stays in `out_dir`, so a rerun of the trial skips what finished.  `out_dir` holds the
+scores of one checkpoint (by its checksum) and settings (identity.py): a run extended past the
+checkpoint it was scored at scores its new end beside them (`<out_dir>-2`), and those stay as they
+were.
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ def downstream_score(checkpoint: str, cfg: DownstreamConfig, out_dir: str,
     Raises TrainingError (one line) when the fine-tuning fails."""
     if not cfg.enabled:
         return {}
+    from dataclasses import asdict
+
+    from ..checkpoint import read_train_state
+    from .identity import claim
+
+    identity = {"checkpoint": read_train_state(checkpoint, verify=False).get("state_sha256"),
+                "downstream": asdict(cfg)}
+    out_dir = claim(out_dir, identity, "downstream scores",
+                    lambda m: log(f"bert-train: downstream: {m}"))
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     cmd = glue_command(checkpoint, cfg, out_dir)
     log(f"bert-train: downstream: fine-tuning {checkpoint} on {cfg.tasks} (output in "

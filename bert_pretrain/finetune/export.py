@@ -3,7 +3,15 @@ AutoModelForSequenceClassification, AutoTokenizer) loads with no code from this 
 config.json (num_labels, id2label, problem_type), model.safetensors in transformers' key names,
 the tokenizer files; plus classifier.json, from which `load_classifier` rebuilds OUR model
 (also for pre-LN and, under transformers >= 5, relative-position encoders, which transformers
-cannot compute: their directory has no config.json, so nothing loads them as something else).
+cannot compute: their directory has no config.json, so nothing loads them as something else),
+and identity.json: which fine-tune it is (identity.py).
+
+The tokenizer files are the pretrained model's tokenizer as its format lists them
+(model_loading: a checkpoint's listed files, a transformers directory's TOKENIZER_FILES), copied
+by the one copy every export makes (checkpoint.copy_own_files: regular files only, never through
+a link).  When the model came from a transformers directory that directory is also the
+tokenizer's, and its config.json and weights are not tokenizer files: only the fine-tuned ones
+are written.
 """
 
 from __future__ import annotations
@@ -34,10 +42,14 @@ def hf_config(model, data) -> dict:
             "finetuning_task": data.name if data.name != "custom" else data.title}
 
 
-def save_classifier(model, data, tokenizer_dir: str, out_dir: str) -> bool:
-    """Write `model` (our BertForSequenceClassification) to `out_dir`, replacing it atomically.
-    Returns whether transformers can load it (config.json written)."""
+def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bool:
+    """Write `model` (our BertForSequenceClassification) with `pretrained`'s tokenizer files to
+    `out_dir`, replacing it atomically; `identity`: the fine-tune it is.  Returns whether
+    transformers can load it (config.json written)."""
     from safetensors.torch import save_file
+
+    from ..checkpoint import copy_own_files
+    from .identity import record
 
     try:
         config = hf_config(model, data)
@@ -47,18 +59,18 @@ def save_classifier(model, data, tokenizer_dir: str, out_dir: str) -> bool:
                for k, v in model.hf_state_dict().items()}
     ours = {"model_config": model.config.to_dict(), "num_labels": model.num_labels,
             "label_names": data.label_names, "task": data.name, "title": data.title,
-            "metrics": list(data.metrics)}
+            "metrics": list(data.metrics), "lr": identity.get("lr"),
+            "seed": identity.get("seed")}
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
     try:
+        copy_own_files(pretrained.tokenizer_dir, pretrained.tokenizer_files, tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _dump(ours, os.path.join(tmp, CLASSIFIER_JSON))
         if config is not None:
             _dump(config, os.path.join(tmp, "config.json"))
-        for name in os.listdir(tokenizer_dir):
-            if os.path.isfile(os.path.join(tokenizer_dir, name)):
-                shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(tmp, name))
+        record(tmp, identity)
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), FILE_MODE)
         os.chmod(tmp, 0o755)

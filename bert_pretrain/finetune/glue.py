@@ -4,7 +4,9 @@
     bert-glue 'models=[runs/a,runs/b]' tasks=fast data_dir=glue_data controls=true
 
 Every (model, task) is a bert-finetune grid in <out_dir>/<model label>/<task>/ (so a rerun skips
-what finished and resumes what was interrupted); then glue.json, glue.md and glue.png.
+what finished and resumes what was interrupted; a folder that holds the grid of another model or
+recipe is left as it is and the new one goes beside it, <task>-2: identity.py); then glue.json,
+glue.md and glue.png, the report of this command.
 """
 
 from __future__ import annotations

@@ -3,15 +3,27 @@ FineTune in `<out_dir>/lr<lr>-seed<seed>/`, then the medians over seeds, the bes
 (by the median of the task's score on its dev set, as the BERT paper chose) and finetune.json.
 
 Layout of out_dir:
+    identity.json             what the grid is of (identity.py): the pretrained model's content
+                              hash, init, the task and its data's hash, the recipe but for its
+                              rates and seeds (so that adding seeds reuses the finished runs); an
+                              out_dir that holds another grid is left as it is and this one goes
+                              beside it (<out_dir>-2, ...)
     finetune.json             the summary (below), written when every run has finished
-    lr3e-05-seed1/            one fine-tune: metrics.jsonl, result.json, checkpoints/ while running
+    lr3e-05-seed1/            one fine-tune: identity.json, metrics.jsonl, result.json,
+                              checkpoints/ while running
     model/                    (trainer.save_model=best) the best lr's median-seed model: a
-                              transformers BertForSequenceClassification directory
+                              transformers BertForSequenceClassification directory, with the
+                              identity of its fine-tune.  When a rerun (other seeds or rates)
+                              makes another run the median, the model there goes back to its own
+                              run's folder, and the new median's takes its place (fine-tuned
+                              again if an earlier grid did not keep it: the same command gives
+                              the same model)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 import statistics
@@ -20,10 +32,13 @@ import time
 
 from . import scoring
 from .batches import encode
+from .identity import claim, holds, read_identity
 from .reading import read_task
-from .runner import MODEL_DIR, FineTune, Job, Session, _write_json
+from .runner import MODEL_DIR, FineTune, Job, Session, _write_json, run_identity
 
 SUMMARY_FILE = "finetune.json"
+# Where a task's data is, not what it is: the data's hash stands for it in the identity.
+TASK_PATHS = ("data_dir", "train_file", "validation_file")
 
 
 def run_name(lr: float, seed: int) -> str:
@@ -43,33 +58,52 @@ def prepare_job(s, pretrained, config_yaml: str, say=print) -> Job:
     if truncated > 0.05:
         say(f"bert-finetune: note: {100 * truncated:.0f}% of the training examples are cut at "
             f"recipe.max_length={limit} tokens")
-    identity = {"model": pretrained.identity(), "source": pretrained.source, "init": s.init,
-                "task": dataclasses.asdict(s.task),
+    identity = {"model": pretrained.identity(), "init": s.init,
+                "task": {k: v for k, v in dataclasses.asdict(s.task).items()
+                         if k not in TASK_PATHS},
+                "data": data_sha256(data),
                 "recipe": {k: v for k, v in dataclasses.asdict(s.recipe).items()
                            if k not in ("lrs", "seeds")}}
     return Job(s, pretrained, data, train, evals, config_yaml, identity)
 
 
+def data_sha256(data) -> str:
+    """A hash of the examples a fine-tune trains and is scored on (texts and labels)."""
+    digest = hashlib.sha256()
+    for key, part in [("train", data.train), *sorted(data.evals.items())]:
+        digest.update(f"{key}\0{len(part)}\0".encode())
+        for column in (part.text_a, part.text_b or []):
+            for text in column:
+                digest.update(text.encode("utf-8", "surrogatepass") + b"\0")
+        digest.update(part.labels.dtype.str.encode() + part.labels.tobytes())
+    return digest.hexdigest()
+
+
 def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     """Every (lr, seed) fine-tune of the recipe, then the summary (also written to
-    <out_dir>/finetune.json by the main process)."""
+    <out_dir>/finetune.json by the main process). `out_dir` is claimed for the job's identity
+    (identity.py): the summary's out_dir is where it went."""
     s, data = job.settings, job.data
     recipe = s.recipe
+    out_dir = session.broadcast(
+        claim(out_dir, job.identity, "a fine-tune", lambda m: say(f"bert-finetune: note: {m}"))
+        if session.main else None)
     start = time.perf_counter()
-    results = []
+    results, runs = [], {}
     total = len(recipe.lrs) * len(recipe.seeds)
     for lr in recipe.lrs:
         for seed in recipe.seeds:
-            run_dir = os.path.join(out_dir, run_name(lr, seed))
+            run = FineTune(session, job, lr, seed, os.path.join(out_dir, run_name(lr, seed)))
             done = len(results) + 1
-            result = FineTune(session, job, lr, seed, run_dir).run(
-                progress_desc=f"{data.title} {done}/{total} lr {lr:g} seed {seed}")
+            result = run.run(progress_desc=f"{data.title} {done}/{total} lr {lr:g} seed {seed}")
             results.append(result)
+            runs[lr, seed] = run
             say(f"bert-finetune: {data.title} lr {lr:g} seed {seed}: {_describe(result)} "
                 f"({result['steps']} steps, {result['train_seconds']:.0f} s)")
     summary = summarize(job, results, out_dir, time.perf_counter() - start, session)
+    if s.trainer.save_model == "best":
+        summary["model_dir"] = _keep_median_model(session, job, summary, runs, say)
     if session.main:
-        _keep_models(out_dir, summary, s.trainer.save_model)
         _write_json(os.path.join(out_dir, SUMMARY_FILE), summary)
     session.barrier()
     return summary
@@ -98,7 +132,7 @@ def summarize(job: Job, results: list, out_dir: str, seconds: float, session) ->
         "recipe": dataclasses.asdict(s.recipe), "precision": session.precision,
         "processes": session.world, "steps_per_run": results[0]["steps"],
         "train_seconds": round(sum(r["train_seconds"] for r in results), 1),
-        "wall_seconds": round(seconds, 1), "out_dir": out_dir,
+        "wall_seconds": round(seconds, 1), "out_dir": out_dir, "identity": job.identity,
     }
 
 
@@ -109,22 +143,55 @@ def median_run(summary: dict) -> dict:
     return ranked[(len(ranked) - 1) // 2]
 
 
-def _keep_models(out_dir: str, summary: dict, policy: str) -> None:
-    """save_model=best: the best lr's median-seed model moves to <out_dir>/model, the others
-    are deleted (a BERT-base grid would otherwise keep nine 440 MB copies)."""
-    if policy != "best":
-        return
-    keep = os.path.join(out_dir, run_name(summary["best_lr"], median_run(summary)["seed"]),
-                        MODEL_DIR)
-    target = os.path.join(out_dir, MODEL_DIR)
-    if os.path.isdir(keep):
-        shutil.rmtree(target, ignore_errors=True)
-        os.rename(keep, target)
-    for g in summary["grid"]:
-        for r in g["runs"]:
-            shutil.rmtree(os.path.join(out_dir, run_name(g["lr"], r["seed"]), MODEL_DIR),
-                          ignore_errors=True)
-    summary["model_dir"] = target if os.path.isdir(target) else None
+def _keep_median_model(session: Session, job: Job, summary: dict, runs: dict, say) -> str:
+    """save_model=best: <out_dir>/model becomes the best lr's median-seed model, and the other
+    models this command wrote are deleted (a BERT-base grid would otherwise keep nine 440 MB
+    copies).  A model that model/ held for another run goes back to that run's folder; the
+    median's, when an earlier grid did not keep it, is fine-tuned again. Returns model/."""
+    lr, seed = summary["best_lr"], median_run(summary)["seed"]
+    wanted, median = run_identity(job, lr, seed), runs[lr, seed]
+    target = os.path.join(summary["out_dir"], MODEL_DIR)
+    missing = session.broadcast(session.main and not holds(target, wanted) and
+                                not os.path.isdir(os.path.join(median.run_dir, MODEL_DIR)))
+    if missing:  # (every process takes part in the fine-tune)
+        say(f"bert-finetune: lr {lr:g} seed {seed} is the median now and an earlier grid did "
+            f"not keep its model: fine-tuning it again")
+        again = median.run(progress_desc=f"{job.data.title} lr {lr:g} seed {seed} (model)",
+                           rebuild=True)
+        saved = median_run(summary)["metrics"]
+        if again["metrics"] != saved:
+            say(f"bert-finetune: warning: lr {lr:g} seed {seed} fine-tuned again scores "
+                f"{_describe(again)}, its first fine-tune {_describe({'metrics': saved})} "
+                f"(another machine or precision?); {target} is the new one")
+    if session.main:
+        if not holds(target, wanted):
+            if os.path.isdir(target):
+                _move_back(target, summary["out_dir"], say)
+            os.rename(os.path.join(median.run_dir, MODEL_DIR), target)
+        for run in runs.values():
+            if run.trained:
+                shutil.rmtree(os.path.join(run.run_dir, MODEL_DIR), ignore_errors=True)
+    return target
+
+
+def _move_back(model_dir: str, out_dir: str, say) -> None:
+    """Put the model in `model_dir` back into the folder of the fine-tune it is of (its
+    identity says which), or, if it has none, beside it: never deleted."""
+    identity = read_identity(model_dir)
+    if identity is not None and "lr" in identity and "seed" in identity:
+        home = claim(os.path.join(out_dir, run_name(identity["lr"], identity["seed"])), identity)
+        dest = os.path.join(home, MODEL_DIR)
+        if os.path.isdir(dest):  # (the same fine-tune's model twice: one is enough)
+            shutil.rmtree(model_dir)
+            return
+    else:
+        n = 2
+        while os.path.lexists(f"{model_dir}-{n}"):
+            n += 1
+        dest = f"{model_dir}-{n}"
+    os.rename(model_dir, dest)
+    say(f"bert-finetune: note: {model_dir} held another run's model (no longer the median): "
+        f"moved to {dest}")
 
 
 def _describe(result: dict) -> str:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import CheckpointError
@@ -26,6 +27,10 @@ class Pretrained:
     valid checkpoint)."""
     notes: list
     """Warnings worth showing (e.g. no pooler in the directory: freshly initialised)."""
+    tokenizer_files: list = field(default_factory=list)
+    """The tokenizer's files in tokenizer_dir that a fine-tuned model ships (model_loading)."""
+    content_sha256: str = ""
+    """A hash of what the source holds (its weights, config and tokenizer)."""
 
     def tokenizer(self):
         from ..model_loading import LoadedModel, load_tokenizer
@@ -40,11 +45,32 @@ class Pretrained:
                                    attention_probs_dropout_prob=dropout)
 
     def identity(self) -> str:
-        """What a fine-tune's results depend on of this model: its source and config (a short
-        hash), so that a rerun into the same out_dir with another model is refused."""
-        text = json.dumps({"source": self.source, "config": self.config.to_dict()},
+        """What a fine-tune's results depend on of this model: what its source holds and its
+        config (a short hash), whatever path it is found at.  A checkpoint re-made under the
+        same name (a branch) is another model; a run directory moved elsewhere is not."""
+        text = json.dumps({"content": self.content_sha256, "config": self.config.to_dict()},
                           sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def content_sha256(loaded) -> str:
+    """One of our checkpoints: its state's checksum (which covers every file it lists); a
+    transformers directory: a hash of its config.json, weights and tokenizer files."""
+    from .. import checkpoint as ckpt
+    from ..hf_import import CONFIG_FILE, WEIGHT_FILES
+    from ..model_loading import TOKENIZER_FILES
+
+    if ckpt.is_our_checkpoint(loaded.source):
+        return ckpt.read_train_state(loaded.source, verify=False)["state_sha256"]
+    digest = hashlib.sha256()
+    for name in sorted({CONFIG_FILE, *WEIGHT_FILES, *TOKENIZER_FILES}):
+        file = os.path.join(loaded.source, name)
+        if os.path.isfile(file):  # (what was read: through a link, as loading did)
+            digest.update(f"{name}\0{os.path.getsize(file)}\0".encode())
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(8 << 20), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_pretrained(path: str) -> Pretrained:
@@ -63,5 +89,7 @@ def load_pretrained(path: str) -> Pretrained:
     if loaded.tokenizer_dir is None:
         raise CheckpointError(f"{loaded.source} has no tokenizer (vocab.txt or tokenizer.json) "
                               f"beside it; a fine-tune must tokenize as the pretraining did")
+    notes += loaded.left_out  # a link among the tokenizer's files: not copied
     state = {k: v for k, v in loaded.model.state_dict().items() if k.startswith("bert.")}
-    return Pretrained(loaded.model.config, state, loaded.tokenizer_dir, loaded.source, notes)
+    return Pretrained(loaded.model.config, state, loaded.tokenizer_dir, loaded.source, notes,
+                      loaded.tokenizer_files, content_sha256(loaded))

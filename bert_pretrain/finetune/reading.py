@@ -187,8 +187,10 @@ def _read_glue_tsv(path: str, task: GlueTask) -> Examples:
 
 
 def _tsv_rows(path: str):
+    # utf-8-sig: GLUE's MRPC files start with a byte order mark, which would otherwise be part
+    # of the first column's name ('\ufeffQuality')
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             yield from csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
     except FileNotFoundError:
         raise DataError(f"{path} is missing; pass the task's complete folder") from None
@@ -235,8 +237,8 @@ def _records(path: str):
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     ext = os.path.splitext(path)[1].lower()
-    try:
-        with open(path, encoding="utf-8", newline="") as f:
+    try:  # (utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte order mark)
+        with open(path, encoding="utf-8-sig", newline="") as f:
             if ext in (".jsonl", ".json"):
                 for n, line in enumerate(f, 1):
                     if line.strip():

@@ -30,6 +30,9 @@ from .batches import TrainOrder, collate, eval_batches
 RESULT_FILE = "result.json"
 METRICS_FILE = "metrics.jsonl"
 MODEL_DIR = "model"
+# Consecutive skipped (non-finite) steps after which a fine-tune stops, before the room an fp16
+# grad scaler gets to find its scale (precision.nonfinite_limit): pretraining's default.
+MAX_NONFINITE_STEPS = 10
 
 
 class Stopped(UserError):
@@ -123,20 +126,36 @@ class Job:
     """Everything the results depend on except lr and seed (a rerun must match it)."""
 
 
+def run_identity(job: Job, lr: float, seed: int) -> dict:
+    """What one fine-tune's results (its folder, its model) are of."""
+    return {**job.identity, "lr": lr, "seed": seed}
+
+
 class FineTune:
     def __init__(self, session: Session, job: Job, lr: float, seed: int, run_dir: str):
+        """`run_dir`: where the fine-tune goes; a folder that holds another fine-tune is left
+        as it is and this one is written beside it (identity.claim)."""
         self.session, self.job, self.lr, self.seed = session, job, lr, seed
         self.run_dir = run_dir
         self.recipe, self.tc = job.settings.recipe, job.settings.trainer
-        self.identity = {**job.identity, "lr": lr, "seed": seed}
+        self.identity = run_identity(job, lr, seed)
         self.stop, self._window = _NoStop(), []
+        self.trained = False
+        """Whether `run` fine-tuned (rather than read back a finished result)."""
 
     # ------------------------------------------------------------------ the run
-    def run(self, progress_desc: str = "") -> dict:
-        """Fine-tune (or resume, or return the saved result of a finished run) and score."""
+    def run(self, progress_desc: str = "", rebuild: bool = False) -> dict:
+        """Fine-tune (or resume, or return the saved result of a finished run) and score.
+        rebuild: fine-tune a finished run again (its model was not kept and is wanted now)."""
+        from .identity import claim
+
+        s = self.session
+        self.run_dir = s.broadcast(claim(self.run_dir, self.identity, "a fine-tune", self._note)
+                                   if s.main else None)
         done = self._finished_result()
-        if done is not None:
+        if done is not None and not rebuild:
             return done
+        self.trained = True
         self._setup()
         start_time = time.perf_counter() - self.elapsed
         bar = self._progress_bar(progress_desc)
@@ -174,13 +193,19 @@ class FineTune:
         return result
 
     def _check_identity(self, saved: Optional[dict], where: str) -> None:
-        if saved == self.identity:
-            return
-        diff = sorted(k for k in set(saved or {}) | set(self.identity)
-                      if (saved or {}).get(k) != self.identity.get(k))
-        raise ConfigError(f"{where} is a fine-tune with other settings ({', '.join(diff)} "
-                          f"differ); choose another out_dir, or delete {self.run_dir} to "
-                          f"start it over")
+        """A result or checkpoint inside this run's folder (which records this identity) that
+        is of another fine-tune was copied there or edited."""
+        from .identity import differences
+
+        diff = differences(saved, self.identity)
+        if diff:
+            raise ConfigError(f"{where} is a fine-tune with other settings ({', '.join(diff)} "
+                              f"differ) in the folder of this one; delete {self.run_dir} to "
+                              f"start it over")
+
+    def _note(self, line: str) -> None:
+        if self.session.main:
+            print(f"bert-finetune: note: {line}", flush=True)
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -211,13 +236,16 @@ class FineTune:
         warmup = int(round(recipe.warmup_ratio * self.order.num_steps))
         self.schedule = Schedule(SchedulerConfig(name="linear"), self.order.num_steps, warmup)
         self.step, self.elapsed, self.current_lr = 0, 0.0, 0.0
+        self.applied, self.nonfinite = 0, 0  # steps applied; consecutive ones skipped
         self.precision = session.new_precision()
+        # The pretraining protocol, as the trainer runs it: the main process repairs, finds
+        # (resume=auto) and, once the checkpoint is known to be usable, begins the line there.
         self.checkpoints = CheckpointManager(self.run_dir, self.tc.keep_last_k, session.rank,
                                              barrier=session.barrier)
         resume = None
         if session.main:
             self.checkpoints.repair()
-            resume = self.checkpoints.latest()
+            resume = self.checkpoints.find("auto")
         resume = session.broadcast(resume)
         if resume:
             state = ckpt.read_train_state(resume, verify=False)  # the main process verified
@@ -229,9 +257,11 @@ class FineTune:
             if rng is not None:
                 ckpt.set_rng_state(rng)
             self.step, self.elapsed = int(state["step"]), float(state["elapsed_seconds"])
+            self.applied = int(state.get("applied_steps", self.step))
         if session.main:
             from ..metrics import truncate_jsonl
 
+            self.checkpoints.begin(resume)
             os.makedirs(self.run_dir, exist_ok=True)
             metrics = os.path.join(self.run_dir, METRICS_FILE)
             if os.path.isfile(metrics):
@@ -271,19 +301,31 @@ class FineTune:
             sums = acc.reduce(sums, reduction="sum")
         loss = sums[0].item() / recipe.batch_size
         params = [p for p in self.model.parameters() if p.grad is not None]
+        # Unscaled first (fp16), then measured and clipped: a norm of the scaled gradients is
+        # the loss scale (2^16) times too large, and clipping it shrinks the step to nothing.
         self.precision.unscale(self.optimizer)
-        norm = None
-        if recipe.max_grad_norm is not None:
-            norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm))
-        finite = math.isfinite(loss) and (norm is None or math.isfinite(norm))
-        self.precision.step(self.optimizer, finite)
+        self.grad_norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf))
+        finite = math.isfinite(loss) and math.isfinite(self.grad_norm)
+        applied = self.precision.step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
-        # fp16: the grad scaler skips a step with inf/nan gradients and lowers its scale
-        if not finite and self.precision.scaler is None:
-            raise TrainingError(f"the fine-tuning loss or gradient became non-finite at step "
-                                f"{self.step} (lr {self.lr:g}); lower recipe.lrs or use "
-                                f"trainer.mixed_precision=no")
+        self._count_skips(applied)
         return loss, sums[1].item() > 0
+
+    def _count_skips(self, applied: bool) -> None:
+        """fp16: the grad scaler skips a step with inf/nan gradients and lowers its scale,
+        which takes a few steps at the start; beyond that (and in any other precision at the
+        first such step) the fine-tune has diverged."""
+        if applied:
+            self.applied, self.nonfinite = self.applied + 1, 0
+            return
+        self.nonfinite += 1
+        limit = self.precision.nonfinite_limit(MAX_NONFINITE_STEPS) \
+            if self.precision.scaler is not None else 1
+        if self.nonfinite >= limit:
+            raise TrainingError(f"the fine-tuning loss or gradient was non-finite for "
+                                f"{self.nonfinite} consecutive steps (step {self.step + 1}, lr "
+                                f"{self.lr:g}); lower recipe.lrs or use "
+                                f"trainer.mixed_precision=no")
 
     def _log(self, loss: float) -> None:
         if not self.session.main:
@@ -292,8 +334,11 @@ class FineTune:
         if self.step % self.tc.log_every and self.step != self.order.num_steps:
             return
         record = {"step": self.step, "loss": float(np.mean(self._window)),
-                  "lr": self.current_lr, "epoch": round(self.order.epoch(self.step), 4),
+                  "lr": self.current_lr, "grad_norm": self.grad_norm,
+                  "epoch": round(self.order.epoch(self.step), 4),
                   "elapsed_s": round(self.elapsed, 2)}
+        if self.precision.scaler is not None:  # fp16: the scale after this step's update
+            record["loss_scale"] = self.precision.scaler.get_scale()
         self._window = []
         with open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
@@ -305,6 +350,7 @@ class FineTune:
             self.step, model=self.raw_model, optimizer_state=self.optimizer.state_dict(),
             extra_state={"scaler": self.precision.state_dict()},
             train_state={"identity": self.identity, "elapsed_seconds": self.elapsed,
+                         "applied_steps": self.applied,
                          "world_size": s.world, "num_steps": self.order.num_steps,
                          "model_config": self.raw_model.config.to_dict(),
                          "num_labels": self.raw_model.num_labels},
@@ -341,6 +387,11 @@ class FineTune:
         from .export import save_classifier
 
         s = self.session
+        if self.applied == 0:
+            raise TrainingError(f"no step of the fine-tune was applied (all {self.step} had "
+                                f"non-finite gradients, lr {self.lr:g}): its score would be "
+                                f"the untrained head's; lower recipe.lrs or use "
+                                f"trainer.mixed_precision=no")
         train_seconds = self.elapsed
         start = time.perf_counter()
         metrics = self.evaluate()
@@ -354,8 +405,8 @@ class FineTune:
                 f.write(json.dumps({"step": self.step, **metrics, "score": result["score"]})
                         + "\n")
             if self.tc.save_model != "none":
-                save_classifier(self.raw_model, self.job.data, self.job.pretrained.tokenizer_dir,
-                                os.path.join(self.run_dir, MODEL_DIR))
+                save_classifier(self.raw_model, self.job.data, self.job.pretrained,
+                                os.path.join(self.run_dir, MODEL_DIR), self.identity)
             _write_json(os.path.join(self.run_dir, RESULT_FILE), result)
             # A finished fine-tune needs no resume state: result.json marks it done.
             shutil.rmtree(checkpoints_root(self.run_dir), ignore_errors=True)

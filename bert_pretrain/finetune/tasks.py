@@ -9,6 +9,8 @@ from typing import List, Optional, Tuple
 
 METRICS = ("accuracy", "f1", "mcc", "pearson", "spearman")
 """f1: of the positive class (label 1), as GLUE scores MRPC and QQP; mcc: Matthews correlation."""
+REGRESSION_METRICS = ("pearson", "spearman")
+"""The metrics of a regression task's predicted values (the others count classes)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,12 @@ class TaskConfig:
         bad = [m for m in self.metrics if m not in METRICS]
         if bad:
             raise ValueError(f"task.metrics: {bad} not known; use some of {', '.join(METRICS)}")
+        if self.num_labels == 1:  # (a regression task is one only by task.num_labels=1)
+            classes = [m for m in self.metrics if m not in REGRESSION_METRICS]
+            if classes:
+                raise ValueError(f"task.metrics: {', '.join(classes)} scores classes; a "
+                                 f"regression task (task.num_labels=1) is scored by "
+                                 f"{', '.join(REGRESSION_METRICS)}")
         if self.label_names is not None and self.num_labels not in (None, len(self.label_names)):
             raise ValueError(f"task.label_names has {len(self.label_names)} names but "
                              f"task.num_labels is {self.num_labels}")

@@ -1,0 +1,301 @@
+"""What bert-finetune leaves on disk is what it says: the kept model is the fine-tuned one (not
+the pretrained directory it came from, and no file a link pointed to), it is the run that the
+summary reports as the median, a result is reused only for the settings it was made with and
+others are written beside it; the grid's summary is the median over seeds at the best rate."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune_support import FAST, finetune_in_process, pretrained_run, sentence_task
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return pretrained_run(str(tmp_path_factory.mktemp("pretrained")))
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return sentence_task(str(tmp_path_factory.mktemp("task")), n_train=128, n_dev=64)
+
+
+def _weights(directory) -> dict:
+    return load_file(os.path.join(str(directory), "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# --------------------------------------------------------------------------- the kept model
+
+
+@pytest.mark.parametrize("head", ["pretraining", "encoder"])
+def test_a_fine_tune_of_an_export_keeps_the_fine_tuned_model_and_no_linked_file(
+        head, run, task, tmp_path, capsys, one_thread):
+    """The export directory is the model and its tokenizer: only the tokenizer's files are
+    copied next to the fine-tuned weights, and a link among them (here to a private file) is
+    left out, said in one warning line, never copied as a regular file."""
+    transformers = pytest.importorskip("transformers")
+    from bert_pretrain.export import export
+    from bert_pretrain.finetune.export import load_classifier
+
+    exported = tmp_path / "exported"
+    export(run, str(exported), head=head)
+    secret = tmp_path / "private"
+    secret.write_text("PRIVATE\n")
+    link = exported / "special_tokens_map.json"
+    if link.exists():
+        link.unlink()
+    os.symlink(secret, link)
+    finetune_in_process([*task, f"model={exported}", *FAST, "recipe.epochs=1",
+                         f"out_dir={tmp_path / 'out'}"])
+    model_dir = tmp_path / "out" / "model"
+    theirs, info = transformers.BertForSequenceClassification.from_pretrained(
+        str(model_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ours = load_classifier(str(model_dir))
+    kept, pretrained = _weights(model_dir), _weights(exported)
+    assert "classifier.weight" in kept
+    word = "bert.embeddings.word_embeddings.weight" if head != "encoder" else \
+        "embeddings.word_embeddings.weight"
+    assert not torch.equal(kept["bert.embeddings.word_embeddings.weight"], pretrained[word])
+    ids = torch.tensor([[2, 5, 6, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(theirs.eval()(input_ids=ids).logits,
+                                   ours(ids, torch.ones_like(ids)).logits, atol=1e-5, rtol=1e-5)
+    said = capsys.readouterr()
+    assert "special_tokens_map.json is a symbolic link: not copied" in said.out + said.err
+    for name in os.listdir(model_dir):
+        assert not os.path.islink(model_dir / name)
+        assert b"PRIVATE" not in (model_dir / name).read_bytes(), name
+    assert "special_tokens_map.json" not in os.listdir(model_dir)
+    assert transformers.AutoTokenizer.from_pretrained(str(model_dir))("w0 w1")["input_ids"][0] \
+        == 2  # the tokenizer shipped with it ([CLS])
+
+
+def test_the_kept_model_is_the_reported_median_after_a_rerun_with_other_seeds(run, task,
+                                                                             tmp_path,
+                                                                             one_thread):
+    """Seeds [1, 2, 3], then the same out_dir with the two seeds that were not the median: the
+    summary now names another median run, and model/ must be that run's model."""
+    from bert_pretrain.finetune.grid import median_run
+
+    common = [*task, f"model={run}", *FAST, "recipe.epochs=1", "recipe.lrs=[3e-4]"]
+    out = tmp_path / "out"
+    first = finetune_in_process([*common, "recipe.seeds=[1,2,3]", f"out_dir={out}"])
+    dropped = median_run(first)["seed"]
+    first_kept = _weights(out / "model")
+    seeds = [s for s in (1, 2, 3) if s != dropped]
+    again = finetune_in_process([*common, f"recipe.seeds=[{seeds[0]},{seeds[1]}]",
+                                 f"out_dir={out}"])
+    median = median_run(again)["seed"]
+    assert median != dropped and again["model_dir"] == str(out / "model")
+    alone = finetune_in_process([*common, f"recipe.seeds=[{median}]",
+                                 f"out_dir={tmp_path / 'alone'}"])
+    assert _same(_weights(out / "model"), _weights(alone["model_dir"]))
+    record = json.loads((out / "model" / "classifier.json").read_text())
+    assert (record["lr"], record["seed"]) == (3e-4, median)
+    # the model the first grid kept is not lost: it is back in its own run's folder
+    assert _same(_weights(out / f"lr0.0003-seed{dropped}" / "model"), first_kept)
+
+
+def test_other_settings_are_written_beside_and_the_same_settings_reuse(run, task, tmp_path,
+                                                                      capsys, monkeypatch,
+                                                                      one_thread):
+    from bert_pretrain.finetune.runner import FineTune
+
+    base = [*task, f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={tmp_path / 'out'}"]
+    first = finetune_in_process(base)
+    before = {name: (tmp_path / "out" / name).stat().st_mtime_ns
+              for name in ("finetune.json", "model")}
+    other = finetune_in_process([*base, "recipe.max_length=24"])
+    out = capsys.readouterr().out
+    assert other["out_dir"] == str(tmp_path / "out-2")
+    assert f"{tmp_path / 'out'} holds a fine-tune with other settings (recipe differ)" in out
+    assert other["recipe"]["max_length"] == 24 and first["recipe"]["max_length"] == 32
+    assert {name: (tmp_path / "out" / name).stat().st_mtime_ns for name in before} == before
+
+    def no_training(self):
+        raise AssertionError("a finished fine-tune was trained again")
+
+    monkeypatch.setattr(FineTune, "train_step", no_training)
+    assert finetune_in_process(base)["grid"] == first["grid"]
+    assert finetune_in_process([*base, "recipe.max_length=24"])["out_dir"] == \
+        str(tmp_path / "out-2")
+
+
+# --------------------------------------------------------------------------- the summary
+
+
+def _summary(lrs, scores: dict) -> dict:
+    """summarize() over hand-made results: scores = {lr: [score of seed 1, 2, ...]}."""
+    from bert_pretrain.finetune.grid import summarize
+
+    from bert_pretrain.finetune.config import RecipeConfig
+
+    seeds = list(range(1, len(next(iter(scores.values()))) + 1))
+    settings = SimpleNamespace(recipe=RecipeConfig(lrs=lrs, seeds=seeds), model="m",
+                               init="pretrained")
+    job = SimpleNamespace(settings=settings, data=SimpleNamespace(name="sst2", title="SST-2",
+                                                                  source="s"),
+                          pretrained=SimpleNamespace(source="ckpt"), train=[0] * 10,
+                          evals={"": [0] * 4}, identity={})
+    results = [{"lr": lr, "seed": seed, "metrics": {"accuracy": s, "f1": s}, "score": s,
+                "steps": 3, "train_seconds": 1.0}
+               for lr in lrs for seed, s in zip(seeds, scores[lr])]
+    return summarize(job, results, "out", 1.0, SimpleNamespace(precision="no", world=1))
+
+
+def test_the_grid_reports_the_median_over_seeds_not_the_mean():
+    summary = _summary([1e-5], {1e-5: [0.9, 0.0, 0.6]})  # median 0.6, mean 0.5
+    assert summary["score"] == pytest.approx(0.6)
+    assert summary["metrics"] == pytest.approx({"accuracy": 0.6, "f1": 0.6})
+    assert summary["score_range"] == [0.0, 0.9]
+
+
+def test_the_best_rate_is_the_one_with_the_highest_median():
+    summary = _summary([1e-5, 3e-5, 5e-5], {1e-5: [0.5, 0.6, 0.7], 3e-5: [0.8, 0.9, 0.1],
+                                            5e-5: [0.2, 0.3, 0.4]})
+    assert summary["best_lr"] == 3e-5 and summary["score"] == pytest.approx(0.8)
+    assert [g["score"] for g in summary["grid"]] == pytest.approx([0.6, 0.8, 0.3])
+
+
+def test_an_even_number_of_seeds_reports_the_middle_two_and_keeps_the_lower():
+    from bert_pretrain.finetune.grid import median_run
+
+    summary = _summary([1e-5], {1e-5: [0.9, 0.2, 0.6, 0.4]})
+    assert summary["score"] == pytest.approx(0.5)  # (0.4 + 0.6) / 2
+    assert median_run(summary)["seed"] == 4        # the lower of the middle two: 0.4
+    three = _summary([1e-5], {1e-5: [0.9, 0.2, 0.6]})
+    assert median_run(three)["seed"] == 3
+
+
+# --------------------------------------------------------------------------- what a folder holds
+
+
+def test_claim_reuses_only_the_same_identity_and_writes_others_beside(tmp_path):
+    from bert_pretrain.finetune.identity import IDENTITY_FILE, claim, holds, read_identity
+
+    said = []
+    base = str(tmp_path / "out")
+    a, b = {"recipe": {"lr": 1}, "task": "x"}, {"recipe": {"lr": 2}, "task": "x"}
+    assert claim(base, a, "a fine-tune", said.append) == base and holds(base, a)
+    assert claim(base, a, "a fine-tune", said.append) == base and said == []
+    assert claim(base, b, "a fine-tune", said.append) == base + "-2"
+    assert said == [f"{base} holds a fine-tune with other settings (recipe differ); writing to "
+                    f"{base}-2"]
+    assert read_identity(base) == a and read_identity(base + "-2") == b  # neither overwritten
+    assert claim(base, b) == base + "-2" and claim(base, a) == base
+    # a folder of something else (no identity recorded) is never taken; an empty one, or one
+    # with only Hydra's record of the command in it, is
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
+    assert claim(str(tmp_path / "mine"), a, "a fine-tune", said.append) == \
+        str(tmp_path / "mine-2")
+    assert said[-1].endswith(f"holds other files (no {IDENTITY_FILE}); writing to "
+                             f"{tmp_path / 'mine-2'}")
+    assert sorted(os.listdir(tmp_path / "mine")) == ["notes.txt"]
+    (tmp_path / "hydra" / ".hydra").mkdir(parents=True)
+    assert claim(str(tmp_path / "hydra"), a) == str(tmp_path / "hydra")
+
+
+def test_the_one_copy_every_export_makes_takes_regular_files_only(tmp_path):
+    from bert_pretrain import checkpoint as ckpt
+
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    src.mkdir()
+    dest.mkdir()
+    (src / "vocab.txt").write_text("[PAD]\n")
+    (tmp_path / "private").write_text("PRIVATE\n")
+    os.symlink(tmp_path / "private", src / "tokenizer.json")
+    (src / "added_tokens.json").mkdir()
+    names = ["vocab.txt", "tokenizer.json", "added_tokens.json", "special_tokens_map.json"]
+    assert ckpt.own_files(str(src), names) == (["vocab.txt"],
+                                                ["tokenizer.json", "added_tokens.json"])
+    assert ckpt.copy_own_files(str(src), names, str(dest)) == ["vocab.txt"]
+    assert sorted(os.listdir(dest)) == ["vocab.txt"]
+    assert "tokenizer.json is a symbolic link: not copied" in \
+        ckpt.refusal(str(src), "tokenizer.json")
+    with pytest.raises(FileExistsError):  # never over a file already there
+        ckpt.copy_own_files(str(src), ["vocab.txt"], str(dest))
+
+
+def _scores(summary) -> list:
+    return [(g["lr"], r["seed"], r["metrics"]) for g in summary["grid"] for r in g["runs"]]
+
+
+def test_results_follow_what_the_model_and_data_are_not_where_they_are(run, task, tmp_path,
+                                                                      monkeypatch, one_thread):
+    """The identity holds the model's and the data's content hashes, not their paths: a moved
+    run directory and moved task files reuse the finished fine-tune; one changed label is
+    another task, written beside. A run folder whose identity is another fine-tune's is left
+    as it is, and the fine-tune goes beside it."""
+    import shutil
+
+    from bert_pretrain.finetune.identity import record
+    from bert_pretrain.finetune.runner import FineTune
+
+    out = tmp_path / "out"
+    first = finetune_in_process([*task, f"model={run}", *FAST, "recipe.epochs=1",
+                                 f"out_dir={out}"])
+    moved_run = shutil.copytree(run, tmp_path / "moved_run")
+    files = {o.split("=", 1)[0]: o.split("=", 1)[1] for o in task if "_file=" in o}
+    moved = {}
+    for key, path in files.items():
+        moved[key] = str(tmp_path / os.path.basename(path))
+        shutil.copy(path, moved[key])
+    moved_task = [o for o in task if "_file=" not in o] + [f"{k}={v}" for k, v in moved.items()]
+    real_step = FineTune.train_step
+    monkeypatch.setattr(FineTune, "train_step", lambda self: pytest.fail("trained again"))
+    again = finetune_in_process([*moved_task, f"model={moved_run}", *FAST, "recipe.epochs=1",
+                                 f"out_dir={out}"])
+    assert again["out_dir"] == str(out) and again["grid"] == first["grid"]  # read back
+    monkeypatch.setattr(FineTune, "train_step", real_step)
+    train = moved["task.train_file"]
+    lines = open(train).read().splitlines()
+    lines[1] = lines[1][:-1] + ("0" if lines[1].endswith("1") else "1")  # one label flipped
+    open(train, "w").write("\n".join(lines) + "\n")
+    other = finetune_in_process([*moved_task, f"model={moved_run}", *FAST, "recipe.epochs=1",
+                                 f"out_dir={out}"])
+    assert other["out_dir"] == str(out) + "-2"
+    assert other["identity"]["data"] != first["identity"]["data"]
+    # a run folder inside the grid that holds another fine-tune: written beside, kept
+    member = out / "lr0.001-seed1"
+    os.remove(member / "result.json")
+    record(str(member), {"someone": "else"})
+    third = finetune_in_process([*task, f"model={run}", *FAST, "recipe.epochs=1",
+                                 f"out_dir={out}"])
+    assert os.path.isfile(out / "lr0.001-seed1-2" / "result.json")
+    assert json.load(open(member / "identity.json")) == {"someone": "else"}
+    assert _scores(third) == _scores(first)  # (the same fine-tune again, in its own folder)
+
+
+def test_a_checkpoint_remade_under_the_same_name_is_another_model(tmp_path):
+    """A pretrained model is known by what it holds: the same run directory retrained (another
+    seed) is another model, a copy of it elsewhere the same one."""
+    import shutil
+
+    from bert_pretrain.finetune.pretrained import load_pretrained
+    from train_support import train_in_process, write_prepared
+
+    data = write_prepared(str(tmp_path / "prep"), num_train=32, num_valid=8)
+
+    def train(seed):
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        train_in_process(["experiment=smoke", f"data.dir={data}", f"run_dir={tmp_path / 'run'}",
+                          "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_every=0",
+                          f"seed={seed}"])
+        return load_pretrained(str(tmp_path / "run")).identity()
+
+    first = train(1)
+    shutil.copytree(tmp_path / "run", tmp_path / "copy")
+    assert load_pretrained(str(tmp_path / "copy")).identity() == first
+    assert train(2) != first
