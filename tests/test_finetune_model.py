@@ -39,7 +39,9 @@ def _theirs(ours, num_labels):
 
 
 @pytest.mark.parametrize("switches", [{}, {"unpad": False}, {"sparse_last_layer": False},
-                                      {"varlen_attention": False}, {"attention": "sdpa"}])
+                                      {"varlen_attention": "off"}, {"attention": "sdpa"},
+                                      {"varlen_attention": "nested"},
+                                      {"varlen_attention": "nested", "sparse_last_layer": False}])
 @pytest.mark.parametrize("num_labels", [3, 1])
 def test_same_logits_loss_and_gradients_as_transformers(switches, num_labels):
     torch.manual_seed(0)

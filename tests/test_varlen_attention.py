@@ -147,19 +147,32 @@ def test_plan_groups_finds_the_optimum(monkeypatch):
         assert plan_cost(groups, lengths, heads, overhead) == pytest.approx(expected, rel=1e-12)
 
 
-def test_plan_groups_buckets_long_lengths(monkeypatch):
-    """Above MAX_LENGTH_BUCKETS distinct lengths the planner rounds lengths up to buckets
-    (4 tokens wide at 512): the plan stays within one bucket's rounding of the optimum."""
+def test_plan_groups_buckets_lengths_past_the_table_size(monkeypatch):
+    """More distinct lengths than MAX_LENGTH_BUCKETS: lengths are rounded up to buckets
+    (ceil(longest / buckets) tokens wide) and the cost table stays buckets x buckets; the plan
+    is then within each sequence's rounding of the optimum.  Fewer distinct lengths are never
+    rounded (exact)."""
     import bert_pretrain.model.layout as layout
 
     monkeypatch.setattr(layout, "GROUP_OVERHEAD", 50_000)
+    monkeypatch.setattr(layout, "MAX_LENGTH_BUCKETS", 8)
+    tables = []
+    real = torch.Tensor.masked_fill_
+    monkeypatch.setattr(torch.Tensor, "masked_fill_",
+                        lambda self, *a: tables.append(tuple(self.shape)) or real(self, *a))
     rng = random.Random(1)
-    lengths = [rng.randint(1, 512) for _ in range(10)] + [512]
+    lengths = [rng.randint(1, 511) for _ in range(11)] + [512]
     groups = plan_groups(lengths, 8)
+    assert tables and all(k <= 8 for shape in tables for k in shape)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     optimum = brute_force_cost(lengths, 8, 50_000, layout.MAX_GROUPS)
-    # each sequence's rounding adds at most (L + 3)^2 - L^2 <= 6 * 512 + 9 score elements
-    assert plan_cost(groups, lengths, 8, 50_000) <= optimum + len(lengths) * (6 * 512 + 9)
+    width = 512 // 8
+    rounding = 2 * 512 * (width - 1) + (width - 1) ** 2  # (L + w - 1)^2 - L^2 at most
+    assert optimum <= plan_cost(groups, lengths, 8, 50_000) <= optimum + len(lengths) * rounding
+    tables.clear()
+    few = [rng.randint(1, 512) for _ in range(6)]  # 6 distinct lengths: exact
+    assert plan_cost(plan_groups(few, 8), few, 8, 50_000) == pytest.approx(
+        brute_force_cost(few, 8, 50_000, layout.MAX_GROUPS), rel=1e-12)
 
 
 def test_plan_groups_at_a_large_batch_is_a_few_vector_steps(monkeypatch):

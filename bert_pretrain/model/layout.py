@@ -8,6 +8,7 @@ layout carries the indices to scatter into it and gather out of it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,7 @@ MAX_GROUPS = 8
 # The planner works on distinct lengths; above this many it buckets them (lengths rounded up
 # to a multiple of ceil(longest / MAX_LENGTH_BUCKETS): 4 at 512 tokens), so its tensors stay at
 # <= 128 x 128 elements: below torch's parallel grain, where no worker thread has to wake up.
+# (Only batches of more than 128 distinct lengths are bucketed: sequences above 128 tokens.)
 MAX_LENGTH_BUCKETS = 128
 
 
@@ -54,23 +56,24 @@ def plan_groups(lengths: list[int], num_heads: int) -> list[list[int]]:
     The optimal groups are contiguous runs of the lengths sorted longest first, and an optimal
     plan never splits sequences of equal length (moving them into the shorter group never costs
     more), so the dynamic programme runs over the K distinct lengths, not the B sequences:
-    O(B log B) for the sort plus MAX_GROUPS vector steps over a K x K cost table (K <= 128;
-    exact up to 128 tokens, bucketed above).  The old O(MAX_GROUPS x B^2) Python loop took
-    121 ms at B=256 (issue 30); this takes well under 1 ms at B=512
-    (bench/bench_planner.py)."""
+    O(B log B) for the sort plus MAX_GROUPS vector steps over a K x K cost table (K <= 128:
+    exact up to 128 distinct lengths, bucketed above).  The old O(MAX_GROUPS x B^2) Python loop took
+    tens of milliseconds at B=256 (121 ms in issue 30), before every forward pass;
+    bench/bench_planner.py times both."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True)
-    width = -(-lengths[order[0]] // MAX_LENGTH_BUCKETS) if order else 1
-    keys, counts = [], []  # distinct (bucketed) lengths, longest first, and their counts
-    for i in order:
-        key = -(-lengths[i] // width) * width
-        if keys and keys[-1] == key:
-            counts[-1] += 1
-        else:
-            keys.append(key)
-            counts.append(1)
+    if not order:
+        return []
+    # distinct (bucketed) lengths, longest first, and how many sequences have each (C-level
+    # counting: a Python loop over the batch cost more than the whole programme)
+    count = Counter(lengths)
+    if len(count) > MAX_LENGTH_BUCKETS:
+        width = -(-lengths[order[0]] // MAX_LENGTH_BUCKETS)
+        count = Counter(-(-n // width) * width for n in lengths)
+    keys = sorted(count, reverse=True)
+    counts = [count[key] for key in keys]
     k = len(keys)
-    if k <= 1:
-        return [sorted(order)] if order else []
+    if k == 1:
+        return [sorted(order)]
     size = torch.tensor(counts, dtype=torch.float64)
     end = torch.cumsum(size, 0)
     start = end - size
@@ -79,17 +82,18 @@ def plan_groups(lengths: list[int], num_heads: int) -> list[list[int]]:
     cost += GROUP_OVERHEAD / num_heads
     index = torch.arange(k)
     cost.masked_fill_(index[:, None] > index[None, :], float("inf"))
-    # best[g][j]: the cheapest g+1 groups covering lengths 0..j; first[g][j]: where the last
-    # of them starts
-    best, first = [cost[0]], [None]
+    # best[g][j]: the cheapest g+1 groups covering lengths 0..j.  Only values go forward
+    # (amin: a few microseconds; min-with-indices runs a parallel kernel that wakes a second
+    # thread for every call, ~50 us); where a group starts is found on the way back, one column
+    # at a time.
+    best = [cost[0]]
     for _ in range(1, min(MAX_GROUPS, k)):
-        value, arg = (best[-1][:-1, None] + cost[1:]).min(0)
-        best.append(value)
-        first.append(arg + 1)
-    # argmin takes the first minimum: the fewest groups among equal costs
+        best.append((best[-1][:-1, None] + cost[1:]).amin(0))
+    # argmin takes the first minimum: the fewest groups among equal costs, and the first
+    # start among equal splits
     g, j, starts = int(torch.stack([b[-1] for b in best]).argmin()), k - 1, []
     while g > 0:
-        i = int(first[g][j])
+        i = int((best[g - 1][:j] + cost[1:j + 1, j]).argmin()) + 1  # the last group: i..j
         starts.append(int(start[i]))
         j, g = i - 1, g - 1
     cuts = [0, *starts[::-1], len(order)]
