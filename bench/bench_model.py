@@ -10,7 +10,7 @@ the same run.  Process CPU time per step is recorded too: with `--threads 1` its
 move when other jobs share the machine, unlike wall-clock ones.
 
 Both models run in one process with the process settings bert-train uses on CPU (OpenMP
-threads that wait passively, freed memory kept warm: bert_pretrain/cpu_runtime.py), so what
+threads that wait passively, freed memory kept warm: bert_pretrain/components/cpu_runtime.py), so what
 those settings gain, they gain for transformers too; `--runs N` repeats everything N times and
 prints the median over runs with the min-max spread; the load from other processes during each
 run is recorded (cores busy outside this process, from /proc/stat).
@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bert_pretrain.cpu_runtime import (bf16_units, keep_freed_memory,  # noqa: E402
+from bert_pretrain.components.cpu_runtime import (bf16_units, keep_freed_memory,  # noqa: E402
                                        no_bf16_units_reason, prefer_passive_omp_wait)
 
 prefer_passive_omp_wait()  # as bert-train: before torch loads libgomp

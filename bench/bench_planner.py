@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bert_pretrain.cpu_runtime import prefer_passive_omp_wait  # noqa: E402
+from bert_pretrain.components.cpu_runtime import prefer_passive_omp_wait  # noqa: E402
 
 prefer_passive_omp_wait()  # as bert-train: idle OpenMP workers must not spin beside the planner
 

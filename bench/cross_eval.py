@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT))
 def score(model_path: str, data_dir: str, batch_size: int = 64) -> dict:
     from accelerate import Accelerator
 
-    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
-    from bert_pretrain.evaluation import evaluate
-    from bert_pretrain.model_loading import load_model
+    from bert_pretrain.components.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.components.evaluation import evaluate
+    from bert_pretrain.tools.model_loading import load_model
 
     data = PreparedData(data_dir)
     loaded = load_model(model_path)

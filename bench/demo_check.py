@@ -50,7 +50,7 @@ END = "<!-- demo-output end -->"
 
 def predict_cli(args: list) -> str:
     """The standard output of `bert-predict ARGS`, run in this process."""
-    from bert_pretrain import predict
+    from bert_pretrain.tools import predict
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -86,9 +86,9 @@ def last_evaluation(run_dir: str) -> dict:
 
 def summarize(run_dir: str, data_dir: str) -> dict:
     """Everything the README block and the test need, as one JSON-able dict."""
-    from bert_pretrain.data import PreparedData
-    from bert_pretrain.evaluation import majority_baseline
-    from bert_pretrain.predict import Predictor
+    from bert_pretrain.components.data import PreparedData
+    from bert_pretrain.components.evaluation import majority_baseline
+    from bert_pretrain.tools.predict import Predictor
 
     ev = last_evaluation(run_dir)
     predictor = Predictor(run_dir)

@@ -103,7 +103,7 @@ def read_curve(path: Path) -> tuple[list, dict]:
 
 def worker(overrides: list[str]) -> None:
     """bert-train's trainer with transformers' BertForPreTraining as the model."""
-    from bert_pretrain.cpu_runtime import prefer_passive_omp_wait
+    from bert_pretrain.components.cpu_runtime import prefer_passive_omp_wait
 
     prefer_passive_omp_wait()  # as bert-train, before torch loads libgomp
     import torch.nn.functional as F
@@ -328,8 +328,8 @@ def main(argv=None) -> None:
             p.error(f"{run_dir} holds an unfinished run (no {RUN_FILE}): remove it")
         print(f"training {model}, seed {seed}, {budget_words(args)} ...", flush=True)
         runs.append(run_one(model, seed, args, run_dir))
-    from bert_pretrain.data import PreparedData
-    from bert_pretrain.evaluation import majority_baseline
+    from bert_pretrain.components.data import PreparedData
+    from bert_pretrain.components.evaluation import majority_baseline
 
     baseline = majority_baseline(PreparedData(args.data), "validation")
     summary = summarise(runs)

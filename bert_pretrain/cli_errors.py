@@ -18,7 +18,7 @@ import difflib
 import os
 import re
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 # The config roots under conf/ and the command each belongs to.
 COMMANDS = {"train": "bert-train", "prep": "bert-prep", "finetune": "bert-finetune"}
@@ -85,23 +85,23 @@ def _compose(conf_dir: str, config_name: str, overrides: list):
         return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
 
 
-def _schema_fields(path: str, cfg) -> list:
-    """Fields the code accepts under `path` beyond those the chosen YAML option lists (model and
-    impl are free-form in the composed tree, checked later by the model's dataclasses)."""
-    cls = None
-    if path == "model":
-        from bert_pretrain.model.config import BertConfig as cls
-    elif path == "impl":
-        from bert_pretrain.model.config import ModelImpl as cls
-    elif path == "corpus":
-        from data_prep.config import CORPUS_CONFIGS
-        cls = CORPUS_CONFIGS.get(str(cfg.get("corpus", {}).get("source")))
-    elif path == "tokenizer":
-        from data_prep.config import TokenizerConfig as cls
+# Where a command's composed tree is free-form (bert-train's model and impl, bert-prep's corpus
+# and tokenizer), the keys the code accepts are its dataclasses' fields: each command hands its
+# own in, {sub-tree: schema, or a function of the composed config giving one}, so that this
+# module knows no command's schemas (and imports none of their packages).
+Schemas = Mapping[str, Any]
+
+
+def _schema_fields(path: str, cfg, schemas: Schemas) -> list:
+    """Fields the code accepts under `path` beyond those the chosen YAML option lists."""
+    cls = schemas.get(path)
+    if cls is not None and not dataclasses.is_dataclass(cls):
+        cls = cls(cfg)  # chosen by the config, e.g. the corpus source
     return [f.name for f in dataclasses.fields(cls)] if cls else []
 
 
-def did_you_mean(exc: Exception, conf_dir: str, config_name: str, overrides: list) -> str:
+def did_you_mean(exc: Exception, conf_dir: str, config_name: str, overrides: list,
+                 schemas: Schemas = {}) -> str:
     """'did you mean ...' for a misspelt group option (model=bert_mnii) or key (model.hiden_size,
     corpus.pahts, trainer.max_step, max_seq_lenght): the closest of the names that exist."""
     text = str(exc)
@@ -133,16 +133,16 @@ def did_you_mean(exc: Exception, conf_dir: str, config_name: str, overrides: lis
             return ""
     node = OmegaConf.select(cfg, parent) if parent else cfg
     names = [str(k) for k in node.keys() if k != "hydra"] if isinstance(node, DictConfig) else []
-    names += _schema_fields(parent, cfg)
+    names += _schema_fields(parent, cfg, schemas)
     if leaf in names:
         return ""
     close = difflib.get_close_matches(leaf, sorted(set(names)), n=1)
     if close:
         return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
-    return _other_option(conf_dir, parent, leaf)
+    return _other_option(conf_dir, parent, leaf, schemas)
 
 
-def _other_option(conf_dir: str, group: str, leaf: str) -> str:
+def _other_option(conf_dir: str, group: str, leaf: str, schemas: Schemas) -> str:
     """A key of another option of `group` (corpus.paths belongs to corpus=text, not builtin)."""
     from omegaconf import OmegaConf
 
@@ -154,7 +154,7 @@ def _other_option(conf_dir: str, group: str, leaf: str) -> str:
             continue
         node = OmegaConf.load(os.path.join(folder, option))
         names = [str(k) for k in node.keys() if k != "defaults"]
-        names += _schema_fields(group, {group: node})
+        names += _schema_fields(group, {group: node}, schemas)
         close = difflib.get_close_matches(leaf, names, n=1)
         if close:
             return f"did you mean {group}={option[:-5]} {group}.{close[0]}?"
@@ -196,10 +196,11 @@ def _accelerate(prog: str, override: str) -> str:
 
 def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
              suggest: Optional[Callable[[Exception], str]] = None,
-             skip: Callable[[str], bool] = lambda arg: False) -> None:
+             skip: Callable[[str], bool] = lambda arg: False, schemas: Schemas = {}) -> None:
     """Compose `config_name` with the command line's overrides; on a composition error print one
     line and exit 2. Hydra's own flags (`-m`, `--cfg`, ...) and `skip`ped arguments leave the
-    check to Hydra (sweep syntax is not an error there)."""
+    check to Hydra (sweep syntax is not an error there). `schemas`: the command's free-form
+    sub-trees and their dataclasses, for 'did you mean' (see `Schemas`)."""
     if any(arg.startswith("-") or skip(arg) for arg in overrides):
         return
     for arg in overrides:
@@ -213,7 +214,7 @@ def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
     except (HydraException, OmegaConfBaseException) as exc:
         message = one_line(exc, suggest)
         if "did you mean" not in message:
-            hint = did_you_mean(exc, conf_dir, config_name, overrides)
+            hint = did_you_mean(exc, conf_dir, config_name, overrides, schemas)
             if not hint:
                 bad = re.search(r"Could not (?:override|find) '([^']+)'", str(exc))
                 hint = _belongs_elsewhere(prog, conf_dir, bad.group(1)) if bad else ""

@@ -12,13 +12,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from .data import DataConfig
-from .data_schedules import check_start
+from .components.data import DataConfig
+from .components.data_schedules import check_start
 from .errors import ConfigError
 from .finetune.downstream import DownstreamConfig
-from .metrics import LoggerConfig
-from .optim import OptimConfig, SchedulerConfig
-from .trainer_config import TrainerConfig
+from .components.metrics import LoggerConfig
+from .components.optim import OptimConfig, SchedulerConfig
+from .components.trainer_config import TrainerConfig
 
 
 @dataclass

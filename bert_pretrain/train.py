@@ -12,7 +12,7 @@ import io
 import os
 import sys
 
-from .cpu_runtime import prefer_passive_omp_wait
+from .components.cpu_runtime import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads it on load)
 
@@ -30,13 +30,25 @@ register()
 # package.  An absolute path, because Hydra resolves a relative config_path against the calling
 # *module* when run as the `bert-train` console script (it then looks for an importable `conf`
 # package) but against the file under `python -m`.
+def _model_schema(name: str):
+    """The model's dataclass `name`, imported when a typo needs it (it loads torch)."""
+    def schema(cfg):
+        from . import model
+
+        return getattr(model, name)
+    return schema
+
+
+# model and impl are free-form in the composed tree: their keys are these dataclasses' fields
+SCHEMAS = {"model": _model_schema("BertConfig"), "impl": _model_schema("ModelImpl")}
+
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "conf", "train")
 
 
 def _leave_error_file(line: str) -> None:
     """torch elastic's per-process error file: the launcher's failure report shows its message
-    (and `python -m bert_pretrain.launch` prints it when the main process could not)."""
+    (and `python -m bert_pretrain.tools.launch` prints it when the main process could not)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and line:
         import json
@@ -101,7 +113,8 @@ def main() -> None:
         with contextlib.redirect_stderr(captured):
             precheck("bert-train", CONF_DIR, "train", sys.argv[1:],
                      suggest=suggest_from(TrainConfig),
-                     skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
+                     skip=lambda arg: arg.lstrip("+").startswith("hparams_search="),
+                     schemas=SCHEMAS)
     except SystemExit:
         if main_process:
             sys.stderr.write(captured.getvalue())

@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, TrainingError, UserError
-from .evaluation import evaluate, majority_baseline, model_inputs
-from .trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F401 (re-exported)
+from .components.evaluation import evaluate, majority_baseline, model_inputs
+from .components.trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F401 (re-exported)
 
 
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
     """A seed per (step, global micro-batch): dropout masks do not depend on the world size or
     on what ran before, so resumes and N-process runs reproduce single-process runs."""
-    from .data import hash_uniform
+    from .components.data import hash_uniform
 
     return int(hash_uniform(seed, 4, np.int64(step), np.int64(micro_index), np.int64(0))
                * (1 << 53))
@@ -63,7 +63,7 @@ class Trainer:
     def __init__(self, s, resolved_config: dict, config_yaml: str):
         """Set up everything `fit` needs; a bad setting fails here, before anything is written
         (except the run directory's log once the configuration is known to be usable)."""
-        from .metrics import LogWindow
+        from .components.metrics import LogWindow
 
         self.s, self.tc = s, s.trainer
         self.resolved_config, self.config_yaml = resolved_config, config_yaml
@@ -83,8 +83,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def _setup_accelerator(self) -> None:
-        from .precision import Precision
-        from .run_setup import make_accelerator
+        from .components.precision import Precision
+        from .components.run_setup import make_accelerator
 
         acc, self.keeps_freed_memory = make_accelerator(self.tc)
         self.accelerator = acc
@@ -106,7 +106,7 @@ class Trainer:
             self.config_yaml = OmegaConf.to_yaml(OmegaConf.create(self.resolved_config))
 
     def _setup_data(self) -> None:
-        from .run_setup import open_training_data
+        from .components.run_setup import open_training_data
 
         self.data, self.stream = open_training_data(self.s, self.world, self.rank)
         self.micro, self.accumulation = self.stream.micro_batch_size, \
@@ -119,7 +119,7 @@ class Trainer:
             self.data.split(self.s.data.eval_split)  # fail now, not at the first evaluation
 
     def _setup_model(self) -> None:
-        from .run_setup import build_model
+        from .components.run_setup import build_model
 
         self.model_cfg, self.raw_model, self.hf_state, self.import_notes = \
             build_model(self.s, self.data)
@@ -133,9 +133,9 @@ class Trainer:
                               f"eval_mlm_accuracy")
 
     def _setup_run(self) -> None:
-        from .checkpoint_manager import CheckpointManager
-        from .resume import check_seed, saved_config
-        from .runlog import open_run_log
+        from .components.checkpoint_manager import CheckpointManager
+        from .components.resume import check_seed, saved_config
+        from .components.runlog import open_run_log
 
         s = self.s
         self.run_dir = s.run_dir
@@ -165,10 +165,10 @@ class Trainer:
             check_seed(self.saved_config, s.seed, self.resume_path)
 
     def _setup_optimizer_and_resume(self) -> None:
-        from . import checkpoint as ckpt
-        from .metrics import Metrics, NullMetrics, eval_record_at
-        from .optim import Schedule, build_optimizer
-        from .resume import apply_hyperparameters
+        from .components import checkpoint as ckpt
+        from .components.metrics import Metrics, NullMetrics, eval_record_at
+        from .components.optim import Schedule, build_optimizer
+        from .components.resume import apply_hyperparameters
 
         s, tc, acc = self.s, self.tc, self.accelerator
         self.state = {"step": 0, "tokens_seen": 0, "samples_consumed": 0, "elapsed_seconds": 0.0}
@@ -217,7 +217,7 @@ class Trainer:
         self.last_checkpoint = self.resume_path
 
     def _warn_changed_settings(self) -> None:
-        from .resume import changed_settings_warning
+        from .components.resume import changed_settings_warning
 
         new_lr = None if self.tc.budget_hours is not None else \
             self.s.optim.lr * self.schedule.factor(self.step)
@@ -235,7 +235,7 @@ class Trainer:
         self._start_loop()
         try:
             if self._finished():
-                from .runlog import already_finished_line
+                from .components.runlog import already_finished_line
 
                 self.log.info(already_finished_line(self))
             while not self._finished():
@@ -262,9 +262,9 @@ class Trainer:
         return self.step >= self.tc.max_steps or bool(budget and self.elapsed >= budget)
 
     def _start_loop(self) -> None:
-        from .progress import progress_bar
-        from .runlog import start_lines
-        from .stop_request import StopRequest
+        from .components.progress import progress_bar
+        from .components.runlog import start_lines
+        from .components.stop_request import StopRequest
 
         tc = self.tc
         for line in start_lines(self):
@@ -283,8 +283,8 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step on the next global batch: this process's micro-batches, forward
         and backward each, then clip and update (or skip, if anything is non-finite)."""
-        from .data import IGNORE_INDEX
-        from .optim import set_lr
+        from .components.data import IGNORE_INDEX
+        from .components.optim import set_lr
 
         started = time.perf_counter()
         acc, tc, precision = self.accelerator, self.tc, self.precision
@@ -433,8 +433,8 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def run_evaluation(self, intermediate: bool = False) -> dict:
         """Evaluate the current weights on the held-out split (every process takes part)."""
-        from .data import eval_batches
-        from .progress import progress_bar
+        from .components.data import eval_batches
+        from .components.progress import progress_bar
 
         tc, split = self.tc, self.data.split(self.s.data.eval_split)
         size = tc.eval_batch_size or self.micro
@@ -453,7 +453,7 @@ class Trainer:
         self._set_locality(training_locality)
         self.metrics.log({"step": self.step, **result, "elapsed_s": round(self.elapsed, 2)})
         if intermediate:
-            from .runlog import eval_line
+            from .components.runlog import eval_line
 
             self.log.info(eval_line(self.step, result))
         self.last_eval = (self.step, result)
@@ -488,7 +488,7 @@ class Trainer:
     # ------------------------------------------------------------------ start and end
     def finish(self) -> float:
         """Save (first: preemption grace periods are short), evaluate unless preempted, report."""
-        from .runlog import end_lines
+        from .components.runlog import end_lines
 
         final = self.save() if self.last_saved != self.step else self.last_checkpoint
         if self.can_evaluate and not self.stopped_early and (
@@ -524,7 +524,7 @@ class Trainer:
     def _write_report(self) -> None:
         """report.md and curves (bert-report) in the run directory; a failed picture never
         fails a finished run."""
-        from .report import write_run_report
+        from .tools.report import write_run_report
 
         try:
             self.log.info(f"  report:     {write_run_report(self.run_dir)}")
@@ -534,7 +534,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the log, the progress bar, signal handlers, metrics and the accelerator."""
-        from .runlog import close_run_log
+        from .components.runlog import close_run_log
 
         if self.bar is not None:
             self.bar.close()
@@ -570,7 +570,7 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     try:
         trainer = Trainer(s, resolved_config, config_yaml)
     except UserError:
-        from .runlog import close_run_log
+        from .components.runlog import close_run_log
 
         close_run_log()
         if not had_results:

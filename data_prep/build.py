@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from bert_pretrain.cli_errors import precheck
-from data_prep.config import PrepConfig
+from data_prep.config import PREP_SCHEMAS, PrepConfig
 from data_prep.errors import PrepError
 
 
@@ -68,7 +68,8 @@ def _run(cfg: DictConfig) -> None:
 
 def main() -> None:
     try:
-        precheck("bert-prep", os.path.abspath(CONFIG_PATH), "prep", sys.argv[1:])
+        precheck("bert-prep", os.path.abspath(CONFIG_PATH), "prep", sys.argv[1:],
+                 schemas=PREP_SCHEMAS)
         _run()
     except KeyboardInterrupt:    # during start-up, before the pipeline runs
         interrupted()

@@ -133,6 +133,10 @@ CORPUS_CONFIGS = {"text": TextCorpusConfig, "documents": DocumentsCorpusConfig,
                   "hf": HFCorpusConfig, "builtin": BuiltinCorpusConfig}
 
 
+def _corpus_schema(cfg):
+    return CORPUS_CONFIGS.get(str(cfg.get("corpus", {}).get("source")))
+
+
 @dataclass
 class TokenizerConfig:
     # Reuse an existing vocabulary instead of training one: a vocab.txt, a tokenizer.json, or a
@@ -315,3 +319,8 @@ def _check_keys(cls, d: dict, prefix: str) -> dict:
 
 def _build(cls, d: dict, prefix: str):
     return cls(**_check_keys(cls, dict(d), prefix + "."))
+
+
+# bert-prep's free-form sub-trees and the dataclasses whose fields they take, for the command
+# line's 'did you mean' (bert_pretrain.cli_errors.precheck)
+PREP_SCHEMAS = {"corpus": _corpus_schema, "tokenizer": TokenizerConfig}

@@ -244,7 +244,7 @@ def read_documents(cfg: DocumentsCorpusConfig,
 def _load_hf(cfg: HFCorpusConfig):
     import datasets
 
-    from bert_pretrain.progress import on_terminal
+    from bert_pretrain.components.progress import on_terminal
     if not on_terminal():  # its tqdm bars would fill a log file with carriage returns
         datasets.disable_progress_bars()
     name = os.path.expanduser(cfg.name)

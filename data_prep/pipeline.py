@@ -196,7 +196,7 @@ def _packed(store: TokenStore, plan: SplitPlan, unit: int, p: dict):
 
 
 def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
-    from bert_pretrain.progress import progress_bar
+    from bert_pretrain.components.progress import progress_bar
     with progress_bar(len(tasks), desc="shards", unit="shard", enabled=progress) as bar:
         if num_proc == 1 or len(tasks) <= 1:
             _W.clear()

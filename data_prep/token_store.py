@@ -196,7 +196,7 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
     """Stream (starts_document, text) pairs through the tokenizer into `directory`."""
     import socket
 
-    from bert_pretrain.progress import progress_bar
+    from bert_pretrain.components.progress import progress_bar
     tmp = f"{directory}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)

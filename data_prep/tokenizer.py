@@ -148,7 +148,7 @@ def train_tokenizer(cfg: TokenizerConfig, batches: Callable[[], Iterator[list[st
                     progress: bool):
     from tokenizers import BertWordPieceTokenizer
 
-    from bert_pretrain.progress import on_terminal
+    from bert_pretrain.components.progress import on_terminal
     wp = BertWordPieceTokenizer(lowercase=cfg.do_lower_case)
     wp.train_from_iterator(_limited(batches(), cfg.max_training_sentences),
                            vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,

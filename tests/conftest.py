@@ -182,9 +182,9 @@ def one_thread():
 
 @pytest.fixture
 def drawn_figures(monkeypatch):
-    """The matplotlib figures bert_pretrain.plotting saves during the test, drawn and kept open
+    """The matplotlib figures bert_pretrain.tools.plotting saves during the test, drawn and kept open
     for the test to read (titles, legends, ticks, texts), as well as written as PNGs."""
-    from bert_pretrain import plotting
+    from bert_pretrain.tools import plotting
 
     figures = []
     real = plotting.save

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from bert_pretrain.attention_maps import attention_maps, main, parse_indices
+from bert_pretrain.tools.attention_maps import attention_maps, main, parse_indices
 from bert_pretrain.errors import UserError
-from bert_pretrain.model_loading import load_model
+from bert_pretrain.tools.model_loading import load_model
 from train_support import train_in_process, write_prepared
 
 

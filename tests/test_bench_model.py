@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_pretrain.cpu_runtime import NO_BF16_UNITS_ENV, bf16_units
+from bert_pretrain.components.cpu_runtime import NO_BF16_UNITS_ENV, bf16_units
 from time_limits import hang_limit
 
 REPO = Path(__file__).resolve().parent.parent

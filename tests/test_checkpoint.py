@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bert_pretrain import checkpoint as ckpt
+from bert_pretrain.components import checkpoint as ckpt
 from bert_pretrain.errors import CheckpointError
 from train_support import REPO, read_metrics, train_in_process, write_prepared
 
@@ -88,7 +88,7 @@ def test_bert_export_refuses_a_corrupt_checkpoint(trained, tmp_path):
     run = copy_run(trained, tmp_path)
     bad = run / "checkpoints" / "step-00000004"
     (bad / "model.safetensors").write_bytes(b"\0" * 64)
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", str(bad),
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.export", str(bad),
                         str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "model.safetensors does not match its sha256" in r.stderr

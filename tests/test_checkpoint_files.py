@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError, DataError
 from train_support import REPO, train_in_process, write_prepared
 
@@ -37,7 +37,7 @@ def _copy(trained, tmp_path):
 
 
 def _export(source, out):
-    return subprocess.run([sys.executable, "-m", "bert_pretrain.export", str(source), str(out)],
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.tools.export", str(source), str(out)],
                           cwd=REPO, capture_output=True, text=True)
 
 
@@ -75,7 +75,7 @@ def test_export_copies_only_the_listed_files(trained, tmp_path):
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_export_files_get_the_users_umask(trained, tmp_path, umask):
     run, _ = _copy(trained, tmp_path)
-    r = subprocess.run(f"umask {umask:03o} && {sys.executable} -m bert_pretrain.export {run} "
+    r = subprocess.run(f"umask {umask:03o} && {sys.executable} -m bert_pretrain.tools.export {run} "
                        f"{tmp_path / 'out'}", shell=True, cwd=REPO, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stderr
@@ -140,7 +140,7 @@ def test_a_fifo_in_the_checkpoint_is_refused(trained, tmp_path):
 
 
 def test_the_tokenizer_must_be_the_data_directorys_own(tmp_path):
-    from bert_pretrain.data import PreparedData
+    from bert_pretrain.components.data import PreparedData
 
     elsewhere = write_prepared(str(tmp_path / "other"), num_train=16, num_valid=8)
     data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)

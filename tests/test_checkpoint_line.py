@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from test_checkpoint import SMALL
 

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError
 from train_support import read_metrics, train_in_process, write_prepared
 
@@ -72,9 +72,9 @@ def test_a_resume_from_an_older_checkpoint_is_a_branch_that_everything_follows(d
     """Train to 12 at lr 1e-3, resume from step 4 at lr 1e-2 and stop at 9: step 9 is the
     newest (not step 12), for resume=auto, bert-export, bert-predict and bert-report; the old
     line's checkpoints are moved aside with a copy of its metrics, not deleted."""
-    from bert_pretrain.export import export
-    from bert_pretrain.model_loading import load_model
-    from bert_pretrain.report import read_run
+    from bert_pretrain.tools.export import export
+    from bert_pretrain.tools.model_loading import load_model
+    from bert_pretrain.tools.report import read_run
 
     run = tmp_path / "run"
     root = cm.checkpoints_root(str(run))

@@ -101,7 +101,7 @@ def test_no_suggestion_when_nothing_is_close(monkeypatch, capsys):
 def test_bert_launch_help_documents_bert_launch(capsys):
     """bert-launch --help says what bert-launch is and how to use it, with examples, instead of
     accelerate launch's 577 lines; a --help after the training module is bert-train's."""
-    from bert_pretrain import launch
+    from bert_pretrain.tools import launch
 
     with pytest.raises(SystemExit) as exit_info:
         launch.main(["--help"])

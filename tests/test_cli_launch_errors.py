@@ -4,7 +4,7 @@
   that says what to do.
 - Under `accelerate launch` every rank used to print the line, then torch elastic buried it
   under ~35 lines (its shutdown log, the launcher's traceback, a ChildFailedError table) and
-  exited 1.  Now only the main process prints it; `python -m bert_pretrain.launch` (accelerate
+  exited 1.  Now only the main process prints it; `python -m bert_pretrain.tools.launch` (accelerate
   launch's arguments) ends with that line alone and exit status 2.
 """
 import json
@@ -71,7 +71,7 @@ BAD = "resume=" + "/nonexistent/step-00000001"
                            "options)"),  # found in the precheck
 ])
 def test_bert_launch_user_error_is_one_line_exit_2(tmp_path, bad, expected):
-    r = _launch(tmp_path, "bert_pretrain.launch", bad)
+    r = _launch(tmp_path, "bert_pretrain.tools.launch", bad)
     out = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2, r.stdout + r.stderr
     assert out == [expected], out
@@ -100,7 +100,7 @@ def _failure(tmp_path, rank, exitcode, message=None):
 def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from bert_pretrain.launch import _report
+    from bert_pretrain.tools.launch import _report
 
     line = "bert-train: error: cannot read data shard on this node"
     exc = ChildFailedError("bert_pretrain.train", {1: _failure(tmp_path, 1, 2, line),
@@ -116,7 +116,7 @@ def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsy
 def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from bert_pretrain.launch import _report
+    from bert_pretrain.tools.launch import _report
 
     assert _report(ChildFailedError("t", {1: _failure(tmp_path, 1, -9)})) == 1
     assert capsys.readouterr().err.strip() == \

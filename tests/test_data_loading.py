@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from bert_pretrain.data import (DataConfig, Masker, PreparedData, TrainStream, collate,
+from bert_pretrain.components.data import (DataConfig, Masker, PreparedData, TrainStream, collate,
                                 eval_batches, unmasked_ids)
 from bert_pretrain.errors import DataError
 from train_support import write_prepared
@@ -256,7 +256,7 @@ def _expected_batch(disk, idx, seq):
 def test_training_batches_equal_the_arrays_on_disk(prepared, world):
     """Every field of every micro-batch, next_sentence_label included, against the .npy files
     (rows in the seeded epoch order, cut per rank and micro-batch)."""
-    from bert_pretrain.data import epoch_permutation
+    from bert_pretrain.components.data import epoch_permutation
     disk = _disk(prepared)
     assert 0 < disk["next_sentence_labels"].mean() < 1      # both labels occur
     perm = epoch_permutation(7, 0, 50)

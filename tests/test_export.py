@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
-from bert_pretrain import export as export_mod
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
+from bert_pretrain.tools import export as export_mod
 from bert_pretrain.errors import UserError
-from bert_pretrain.export import export
-from bert_pretrain.hf_import import read_hf_model
+from bert_pretrain.tools.export import export
+from bert_pretrain.components.hf_import import read_hf_model
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import REPO, train_in_process, write_prepared
 
@@ -119,7 +119,7 @@ def test_export_of_a_checkpoint(run, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "bert_pretrain.export", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "bert_pretrain.tools.export", *args], cwd=REPO,
                           capture_output=True, text=True)
 
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint_manager as cm
 from time_limits import hang_deadline, hang_limit
 from train_support import REPO, write_prepared
 

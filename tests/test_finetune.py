@@ -89,7 +89,7 @@ def test_a_grid_keeps_the_median_model_and_reads_a_finished_grid_back(run, tasks
 
 
 def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch, one_thread):
-    from bert_pretrain.checkpoint_manager import list_checkpoints
+    from bert_pretrain.components.checkpoint_manager import list_checkpoints
     from bert_pretrain.finetune.runner import FineTune
 
     common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1",

@@ -44,7 +44,7 @@ def test_a_fine_tune_of_an_export_keeps_the_fine_tuned_model_and_no_linked_file(
     copied next to the fine-tuned weights, and a link among them (here to a private file) is
     left out, said in one warning line, never copied as a regular file."""
     transformers = pytest.importorskip("transformers")
-    from bert_pretrain.export import export
+    from bert_pretrain.tools.export import export
     from bert_pretrain.finetune.export import load_classifier
 
     exported = tmp_path / "exported"
@@ -208,7 +208,7 @@ def test_claim_reuses_only_the_same_identity_and_writes_others_beside(tmp_path):
 
 
 def test_the_one_copy_every_export_makes_takes_regular_files_only(tmp_path):
-    from bert_pretrain import checkpoint as ckpt
+    from bert_pretrain.components import checkpoint as ckpt
 
     src, dest = tmp_path / "src", tmp_path / "dest"
     src.mkdir()

@@ -80,7 +80,7 @@ def test_loss_is_token_weighted_over_the_global_batch(prepared):
     import torch
     import torch.nn.functional as F
 
-    from bert_pretrain.data import DataConfig, PreparedData, TrainStream
+    from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
     from bert_pretrain.model import BertConfig, BertForPreTraining
 
     data = PreparedData(prepared)

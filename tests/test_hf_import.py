@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bert_pretrain.errors import CheckpointError, DataError
-from bert_pretrain.hf_import import check_against_data, is_hf_model_dir, read_hf_model
+from bert_pretrain.components.hf_import import check_against_data, is_hf_model_dir, read_hf_model
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from train_support import write_prepared
 

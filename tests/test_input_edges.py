@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from bert_pretrain.model_loading import load_model
-from bert_pretrain.predict import main as predict_main
+from bert_pretrain.tools.model_loading import load_model
+from bert_pretrain.tools.predict import main as predict_main
 from train_support import REPO, run_bert_train, train_in_process, write_prepared
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def test_a_transformers_trainer_checkpoint_is_a_model_directory(data, tmp_path, 
                       f"trainer.init_from={path}", "trainer.max_steps=2",
                       "trainer.warmup_steps=1", "trainer.eval_every=0"])
     assert "weights from" in capsys.readouterr().out
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", path,
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.export", path,
                         str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "is already a transformers model directory" in r.stderr
@@ -90,7 +90,7 @@ def test_a_global_batch_smaller_than_the_process_count_is_one_line(data, tmp_pat
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled"}
     r = subprocess.run(
-        [sys.executable, "-m", "bert_pretrain.launch", "--config_file",
+        [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
          os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml"), "--main_process_port",
          str(free_port()), "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
          f"run_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'h'}",

@@ -14,8 +14,8 @@ from train_support import train_in_process, write_context_prepared
 def _evaluate(checkpoint_dir, data_dir):
     """(MLM accuracy, most-frequent-label baseline, NSP accuracy) on the validation split,
     computed here from the checkpoint's weights and the .npy files (not from the trainer)."""
-    from bert_pretrain.checkpoint import load_weights, read_train_state
-    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.components.checkpoint import load_weights, read_train_state
+    from bert_pretrain.components.data import DataConfig, PreparedData, eval_batches
     from bert_pretrain.model import BertConfig, BertForPreTraining
 
     model = BertForPreTraining(BertConfig.from_dict(read_train_state(checkpoint_dir)

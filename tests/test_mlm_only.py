@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from bert_pretrain.data import DataConfig, PreparedData, TrainStream, collate, eval_batches
+from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream, collate, eval_batches
 from bert_pretrain.errors import DataError
-from bert_pretrain.evaluation import evaluate
+from bert_pretrain.components.evaluation import evaluate
 from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
 from train_support import write_prepared
 
@@ -167,7 +167,7 @@ def _export_like(model, out):
     the tied keys transformers does not save."""
     from safetensors.torch import save_file
 
-    from bert_pretrain.export import TIED_KEYS
+    from bert_pretrain.tools.export import TIED_KEYS
 
     os.makedirs(out)
     save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()
@@ -177,7 +177,7 @@ def _export_like(model, out):
 
 
 def test_export_of_an_mlm_only_model_loads_as_bert_for_masked_lm(tmp_path):
-    from bert_pretrain.hf_import import read_hf_model
+    from bert_pretrain.components.hf_import import read_hf_model
 
     torch.manual_seed(1)
     cfg = _config(hidden_act="gelu")
@@ -238,7 +238,7 @@ def test_evaluation_scores_nsp_only_where_data_and_model_have_it(packed, tmp_pat
 
 def test_predict_refuses_nsp_on_an_mlm_only_model_in_one_line(tmp_path):
     from bert_pretrain.errors import UserError
-    from bert_pretrain.predict import Predictor
+    from bert_pretrain.tools.predict import Predictor
 
     out = str(tmp_path / "hf")
     _export_like(BertForPreTraining(_config()), out)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bert_pretrain.optim import (Lamb, OptimConfig, Schedule, SchedulerConfig, build_optimizer,
+from bert_pretrain.components.optim import (Lamb, OptimConfig, Schedule, SchedulerConfig, build_optimizer,
                                  param_groups)
 
 

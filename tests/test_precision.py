@@ -5,7 +5,7 @@ the weights; the start-up line says what is done; the scaler's state is in the c
 import pytest
 import torch
 
-from bert_pretrain.precision import SCALER_ROOM, Precision
+from bert_pretrain.components.precision import SCALER_ROOM, Precision
 from test_trainer_rules import _NaNGrad
 from train_support import read_metrics, train_in_process, write_prepared
 
@@ -239,7 +239,7 @@ def test_a_fine_tune_that_never_updates_reports_no_score(pretrained, tmp_path, m
     after the consecutive-skip limit, as pretraining does. fp32 (no scaler to find a scale):
     the first such step stops it."""
     from bert_pretrain.errors import TrainingError
-    from bert_pretrain.precision import SCALER_ROOM
+    from bert_pretrain.components.precision import SCALER_ROOM
 
     _poison_fine_tune_steps(monkeypatch, set(range(1000)))
     steps = 3 * 64 // batch_size  # 3 epochs of 64 examples: 12 or 48 steps

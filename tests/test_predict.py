@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from bert_pretrain import checkpoint_manager as cm
-from bert_pretrain.export import export
-from bert_pretrain.model_loading import load_model
-from bert_pretrain.predict import IS_NEXT, Predictor, main
+from bert_pretrain.components import checkpoint_manager as cm
+from bert_pretrain.tools.export import export
+from bert_pretrain.tools.model_loading import load_model
+from bert_pretrain.tools.predict import IS_NEXT, Predictor, main
 from train_support import REPO, train_in_process, write_prepared
 
 
@@ -116,9 +116,9 @@ def test_bad_input_is_one_line(run, tmp_path, capsys, argv, message):
 
 
 def test_command_line(run):
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.predict", "nsp", run, "w1 w2"],
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.predict", "nsp", run, "w1 w2"],
                        cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and "nsp takes two sentences" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.predict", "nsp", run, "w1 w2",
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.predict", "nsp", run, "w1 w2",
                         "w3"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("P(B follows A) = "), r.stderr

@@ -1,4 +1,4 @@
-"""bert_pretrain/progress.py: tqdm on a terminal; elsewhere plain lines, never a carriage return.
+"""bert_pretrain/components/progress.py: tqdm on a terminal; elsewhere plain lines, never a carriage return.
 (bert-prep through a pipe: tests/test_prep_cli.py.)"""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from bert_pretrain.progress import format_duration, on_terminal, progress_bar
+from bert_pretrain.components.progress import format_duration, on_terminal, progress_bar
 
 
 class Terminal(io.StringIO):
@@ -53,7 +53,7 @@ def test_lines_are_spaced_by_every_s():
 
 
 def test_rates_slower_than_one_per_second_read_as_seconds_per_unit(monkeypatch):
-    import bert_pretrain.progress as progress
+    import bert_pretrain.components.progress as progress
     clock = [100.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
     pipe = io.StringIO()
@@ -68,7 +68,7 @@ def test_rates_slower_than_one_per_second_read_as_seconds_per_unit(monkeypatch):
 
 def test_a_time_bar_shows_times_not_seconds_per_second(monkeypatch):
     """bert-train's budget mode counts seconds of the budget: `s/s` meant nothing."""
-    import bert_pretrain.progress as progress
+    import bert_pretrain.components.progress as progress
     clock = [0.0]
     monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
     pipe = io.StringIO()

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bert_pretrain.config import settings
-from bert_pretrain.data import DataConfig, PreparedData, TrainStream
-from bert_pretrain.data_schedules import BatchRamp, batch_ramp, masking_rate
+from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
+from bert_pretrain.components.data_schedules import BatchRamp, batch_ramp, masking_rate
 from bert_pretrain.errors import DataError, UserError
-from bert_pretrain.optim import Schedule, SchedulerConfig
+from bert_pretrain.components.optim import Schedule, SchedulerConfig
 from train_support import compose, write_prepared
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint_manager as cm
 from train_support import read_metrics, train_in_process, write_prepared
 
 TIMING = ("tokens_per_s", "elapsed_s")
@@ -161,7 +161,7 @@ def test_mlm_only_data_trains_an_mlm_only_model_that_exports_as_bert_for_masked_
     transformers = pytest.importorskip("transformers")
     from data_prep.pipeline import run as prep
 
-    from bert_pretrain.export import export
+    from bert_pretrain.tools.export import export
 
     corpus, vocab = prep_tagged
     out = str(tmp_path / "packed")

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from bert_pretrain.data import PreparedData
-from bert_pretrain.evaluation import majority_baseline
-from bert_pretrain.report import (BASELINE_KEY, count_parameters, main, read_run,
+from bert_pretrain.components.data import PreparedData
+from bert_pretrain.components.evaluation import majority_baseline
+from bert_pretrain.tools.report import (BASELINE_KEY, count_parameters, main, read_run,
                                   write_run_report)
 from train_support import read_metrics, train_in_process, write_prepared
 
@@ -73,8 +73,8 @@ def test_report_of_one_run(runs):
     assert rows["hidden size x layers x heads"] == ["32x2x2"]
     assert rows["peak learning rate"] == ["0.001"]
     from bert_pretrain.model import BertConfig, BertForPreTraining
-    from bert_pretrain import checkpoint as ckpt
-    from bert_pretrain import checkpoint_manager as cm
+    from bert_pretrain.components import checkpoint as ckpt
+    from bert_pretrain.components import checkpoint_manager as cm
     latest = cm.latest_checkpoint(run)
     config = ckpt.read_train_state(latest)["model_config"]
     n = sum(p.numel() for p in BertForPreTraining(BertConfig.from_dict(config)).parameters())

@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from bert_pretrain.redact import redact, secret_values
+from bert_pretrain.components.redact import redact, secret_values
 from time_limits import hang_limit
 from train_support import REPO, write_prepared
 

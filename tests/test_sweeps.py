@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bert_pretrain import sweep_summary as ss
+from bert_pretrain.tools import sweep_summary as ss
 from time_limits import hang_limit
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -196,7 +196,7 @@ def test_summary_bad_input_one_line_errors(tmp_path: Path, grid_sweep: Path, cap
 
 
 def test_summary_command_line(grid_sweep: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.sweep_summary", str(grid_sweep),
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.sweep_summary", str(grid_sweep),
                         "--metric", "eval_mlm_accuracy"], capture_output=True, text=True,
                        timeout=hang_limit())
     assert r.returncode == 0, r.stderr
@@ -236,7 +236,7 @@ fail_at: null
 hydra:
   callbacks:
     sweep_summary:
-      _target_: bert_pretrain.sweep_summary.SweepSummaryCallback
+      _target_: bert_pretrain.tools.sweep_summary.SweepSummaryCallback
 '''
 
 
@@ -549,7 +549,7 @@ def test_summary_help_names_the_real_sweep_layout(capsys) -> None:
     """The --help example is the layout conf/train/train.yaml's hydra.sweep.dir produces."""
     from omegaconf import OmegaConf
 
-    train_yaml = OmegaConf.load(Path(ss.__file__).parents[1] / "conf" / "train" / "train.yaml")
+    train_yaml = OmegaConf.load(Path(ss.__file__).parents[2] / "conf" / "train" / "train.yaml")
     assert OmegaConf.to_container(train_yaml)["hydra"]["sweep"]["dir"] == \
         "multirun/${name}/${now:%Y-%m-%d_%H-%M-%S}"
     with pytest.raises(SystemExit):

@@ -68,7 +68,7 @@ def test_end_to_end_on_real_bert_prep_output(tmp_path, real_prep):
     assert state["tokens_seen"] > 40 * 16 * 10  # non-padding tokens of 640 rows of <= 64
     # the checkpoint exports with bert-prep's real tokenizer files
     out = str(tmp_path / "hf")
-    r = subprocess.run([sys.executable, "-m", "bert_pretrain.export", final, out], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.tools.export", final, out], cwd=REPO,
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     transformers = pytest.importorskip("transformers")
@@ -194,7 +194,7 @@ def test_eval_metrics_dense_and_sparse_heads_agree_with_a_direct_computation(syn
     ([B, L, V]); both equal a hand computation over every labelled position."""
     from accelerate import Accelerator
 
-    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.components.data import DataConfig, PreparedData, eval_batches
     from bert_pretrain.model import BertConfig, BertForPreTraining, ModelImpl
     from bert_pretrain.trainer import evaluate
 

@@ -7,11 +7,11 @@ import math
 import pytest
 
 from bert_pretrain.config import settings
-from bert_pretrain.data import DataConfig
+from bert_pretrain.components.data import DataConfig
 from bert_pretrain.errors import ConfigError
-from bert_pretrain.metrics import LoggerConfig
+from bert_pretrain.components.metrics import LoggerConfig
 from bert_pretrain.model import BertConfig
-from bert_pretrain.optim import OptimConfig, SchedulerConfig
+from bert_pretrain.components.optim import OptimConfig, SchedulerConfig
 from bert_pretrain.trainer import TrainerConfig
 from train_support import compose, run_bert_train, write_prepared
 

@@ -55,7 +55,7 @@ def test_a_resume_with_another_max_steps_names_the_attention_locality_it_jumps_t
     """The attention locality fades over a share of max_steps: another max_steps moves its
     strength at the resume step, said with the values before and after (as the learning rate
     and a scheduled masking rate are); with max_steps unchanged nothing moves."""
-    from bert_pretrain.resume import changed_settings_warning
+    from bert_pretrain.components.resume import changed_settings_warning
 
     def config(max_steps):
         return {"trainer": {"max_steps": max_steps, "warmup_steps": 1,
@@ -257,7 +257,7 @@ def test_init_from_a_transformers_directory_continues_its_training(tmp_path, syn
     import shutil
 
     transformers = pytest.importorskip("transformers")
-    from bert_pretrain.data import DataConfig, PreparedData, TrainStream
+    from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
 
     hf_cfg = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -297,7 +297,7 @@ def test_auto_precision_is_bf16_only_where_the_cpu_has_bf16_units(tmp_path, synt
     resolved value is what the checkpoint's config.yaml keeps (a resume elsewhere names it)."""
     from omegaconf import OmegaConf
 
-    import bert_pretrain.cpu_runtime as cpu_runtime
+    import bert_pretrain.components.cpu_runtime as cpu_runtime
 
     for units, expected in (("AVX512-BF16", "bf16"), (None, "no")):
         monkeypatch.setattr(cpu_runtime, "bf16_units", lambda units=units: units)
@@ -332,7 +332,7 @@ def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
 
 
 def test_resolve_precision_keeps_explicit_settings():
-    from bert_pretrain.cpu_runtime import resolve_precision
+    from bert_pretrain.components.cpu_runtime import resolve_precision
 
     for setting in ("no", "bf16", "fp16"):
         assert resolve_precision(setting, on_cuda=False)[0] == setting
@@ -351,7 +351,7 @@ def test_entry_point_sets_passive_omp_wait_before_torch_loads():
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "PASSIVE"
     order = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line]
-    assert order.index("bert_pretrain.cpu_runtime") < order.index("torch")
+    assert order.index("bert_pretrain.components.cpu_runtime") < order.index("torch")
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
@@ -399,9 +399,9 @@ def test_attention_locality_fades_out_and_evaluations_score_plain_bert(tmp_path,
     """trainer.attention_locality: full strength for the `hold` share of the steps, a linear
     fade to 0 at `end`; every evaluation scores the model without it (what an export
     computes), and after the fade the training steps are plain BERT's."""
-    from bert_pretrain.checkpoint import load_weights, read_train_state
-    from bert_pretrain.data import DataConfig, PreparedData, eval_batches
-    from bert_pretrain.evaluation import evaluate
+    from bert_pretrain.components.checkpoint import load_weights, read_train_state
+    from bert_pretrain.components.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.components.evaluation import evaluate
     from bert_pretrain.model import BertConfig, BertForPreTraining
 
     cfg = TrainerConfig(max_steps=10, attention_locality=2.0, attention_locality_hold=0.2,

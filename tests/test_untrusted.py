@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from bert_pretrain import checkpoint as ckpt
-from bert_pretrain import checkpoint_manager as cm
+from bert_pretrain.components import checkpoint as ckpt
+from bert_pretrain.components import checkpoint_manager as cm
 from bert_pretrain.errors import CheckpointError, DataError
 from bert_pretrain.model import BertConfig, BertForPreTraining
 from test_checkpoint import SMALL, _save
@@ -77,7 +77,7 @@ def test_raw_pickle_as_weights_is_refused(tmp_path):
 
 @pytest.mark.parametrize("as_object_array", [True, False])
 def test_planted_pickle_in_prepared_data_is_refused(tmp_path, as_object_array):
-    from bert_pretrain.data import PreparedData
+    from bert_pretrain.components.data import PreparedData
 
     root = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
     marker = tmp_path / "pwned"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..data import epoch_permutation
+from ..components.data import epoch_permutation
 from ..errors import DataError
 from .reading import Examples
 

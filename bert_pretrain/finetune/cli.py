@@ -14,7 +14,7 @@ import io
 import os
 import sys
 
-from ..cpu_runtime import prefer_passive_omp_wait
+from ..components.cpu_runtime import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads it on load)
 
@@ -83,13 +83,21 @@ def _run(cfg: DictConfig) -> float:
                    ["score"])
 
 
+def _model_impl(cfg):
+    """impl is free-form in bert-finetune's and bert-glue's trees: ModelImpl's fields."""
+    from ..model import ModelImpl
+
+    return ModelImpl
+
+
 def check_command_line(prog: str, config_name: str, schema) -> None:
     """Compose once before Hydra runs: a misspelt key or option is one line (main process)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            precheck(prog, CONF_DIR, config_name, sys.argv[1:], suggest=suggest_from(schema))
+            precheck(prog, CONF_DIR, config_name, sys.argv[1:], suggest=suggest_from(schema),
+                     schemas={"impl": _model_impl})
     finally:
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(captured.getvalue())

@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ..errors import ConfigError
-from ..trainer_config import MIXED_PRECISION
+from ..components.trainer_config import MIXED_PRECISION
 from .tasks import TaskConfig, resolve_tasks
 
 INITS = ("pretrained", "random")

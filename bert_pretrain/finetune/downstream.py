@@ -91,7 +91,7 @@ def downstream_score(checkpoint: str, cfg: DownstreamConfig, out_dir: str,
         return {}
     from dataclasses import asdict
 
-    from ..checkpoint import read_train_state
+    from ..components.checkpoint import read_train_state
     from .identity import claim
 
     identity = {"checkpoint": read_train_state(checkpoint, verify=False).get("state_sha256"),

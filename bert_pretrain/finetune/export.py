@@ -29,7 +29,7 @@ FILE_MODE = 0o644
 
 def hf_config(model, data) -> dict:
     """transformers' config.json for `model` (UserError where transformers cannot compute it)."""
-    from ..export import representable
+    from ..tools.export import representable
 
     representable(model.config)
     names = data.label_names or [f"LABEL_{i}" for i in range(model.num_labels)]
@@ -48,7 +48,7 @@ def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bo
     transformers can load it (config.json written)."""
     from safetensors.torch import save_file
 
-    from ..checkpoint import copy_own_files
+    from ..components.checkpoint import copy_own_files
     from .identity import record
 
     try:

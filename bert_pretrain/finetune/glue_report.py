@@ -62,7 +62,7 @@ def markdown_table(report: dict) -> str:
 
 def write_report(report: dict, out_dir: str) -> dict:
     """glue.json, glue.md, glue.png in out_dir; returns their paths."""
-    from ..plotting import Scores, plot_scores
+    from ..tools.plotting import Scores, plot_scores
 
     os.makedirs(out_dir, exist_ok=True)
     paths = {k: os.path.join(out_dir, f"glue.{k}") for k in ("json", "md", "png")}

@@ -33,7 +33,7 @@ class Pretrained:
     """A hash of what the source holds (its weights, config and tokenizer)."""
 
     def tokenizer(self):
-        from ..model_loading import LoadedModel, load_tokenizer
+        from ..tools.model_loading import LoadedModel, load_tokenizer
 
         return load_tokenizer(LoadedModel(None, self.tokenizer_dir, self.source))
 
@@ -56,9 +56,9 @@ class Pretrained:
 def content_sha256(loaded) -> str:
     """One of our checkpoints: its state's checksum (which covers every file it lists); a
     transformers directory: a hash of its config.json, weights and tokenizer files."""
-    from .. import checkpoint as ckpt
-    from ..hf_import import CONFIG_FILE, WEIGHT_FILES
-    from ..model_loading import TOKENIZER_FILES
+    from ..components import checkpoint as ckpt
+    from ..components.hf_import import CONFIG_FILE, WEIGHT_FILES
+    from ..tools.model_loading import TOKENIZER_FILES
 
     if ckpt.is_our_checkpoint(loaded.source):
         return ckpt.read_train_state(loaded.source, verify=False)["state_sha256"]
@@ -74,7 +74,7 @@ def content_sha256(loaded) -> str:
 
 
 def load_pretrained(path: str) -> Pretrained:
-    from ..model_loading import load_model
+    from ..tools.model_loading import load_model
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

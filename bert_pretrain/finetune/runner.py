@@ -42,7 +42,7 @@ class Stopped(UserError):
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
     """A seed per (step, global micro-batch), independent of the world size and of resumes
     (its own stream of the counter-based hash pretraining's masks use)."""
-    from ..data import hash_uniform
+    from ..components.data import hash_uniform
 
     return int(hash_uniform(seed, 5, np.int64(step), np.int64(micro_index), np.int64(0))
                * (1 << 53))
@@ -66,8 +66,8 @@ class Session:
         from accelerate import Accelerator
         from accelerate.state import AcceleratorState
 
-        from ..cpu_runtime import keep_freed_memory
-        from ..precision import Precision
+        from ..components.cpu_runtime import keep_freed_memory
+        from ..components.precision import Precision
 
         AcceleratorState._reset_state()  # several commands in one process (tests, sweeps)
         on_cpu = trainer_cfg.cpu or not torch.cuda.is_available()
@@ -89,7 +89,7 @@ class Session:
 
     def new_precision(self):
         """The policy with a fresh grad scaler: every fine-tune finds its own loss scale."""
-        from ..precision import Precision
+        from ..components.precision import Precision
 
         return Precision.resolve(self.precision, self.accelerator.device.type)
 
@@ -159,7 +159,7 @@ class FineTune:
         self._setup()
         start_time = time.perf_counter() - self.elapsed
         bar = self._progress_bar(progress_desc)
-        from ..stop_request import StopRequest  # SIGTERM / Ctrl-C: finish the step, save
+        from ..components.stop_request import StopRequest  # SIGTERM / Ctrl-C: finish the step, save
 
         self.stop = StopRequest()
         try:
@@ -211,10 +211,10 @@ class FineTune:
     def _setup(self) -> None:
         from accelerate.utils import set_seed
 
-        from .. import checkpoint as ckpt
-        from ..checkpoint_manager import CheckpointManager
+        from ..components import checkpoint as ckpt
+        from ..components.checkpoint_manager import CheckpointManager
         from ..model import BertForSequenceClassification, ModelImpl
-        from ..optim import OptimConfig, Schedule, SchedulerConfig, build_optimizer
+        from ..components.optim import OptimConfig, Schedule, SchedulerConfig, build_optimizer
 
         session, job = self.session, self.job
         acc, recipe = session.accelerator, self.recipe
@@ -259,7 +259,7 @@ class FineTune:
             self.step, self.elapsed = int(state["step"]), float(state["elapsed_seconds"])
             self.applied = int(state.get("applied_steps", self.step))
         if session.main:
-            from ..metrics import truncate_jsonl
+            from ..components.metrics import truncate_jsonl
 
             self.checkpoints.begin(resume)
             os.makedirs(self.run_dir, exist_ok=True)
@@ -269,7 +269,7 @@ class FineTune:
         self.model.train()
 
     def _progress_bar(self, desc: str):
-        from ..progress import progress_bar
+        from ..components.progress import progress_bar
 
         return progress_bar(self.order.num_steps, initial=self.step, unit="step",
                             desc=desc or f"lr {self.lr:g} seed {self.seed}", leave=False,
@@ -278,7 +278,7 @@ class FineTune:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> tuple:
         """One optimizer step on the next global batch: (its mean loss, stop requested)."""
-        from ..optim import set_lr
+        from ..components.optim import set_lr
 
         s, acc, recipe = self.session, self.session.accelerator, self.recipe
         self.current_lr = self.lr * self.schedule.factor(self.step)
@@ -383,7 +383,7 @@ class FineTune:
         return scoring.compute(self.job.data.metrics, splits)
 
     def _finish(self) -> dict:
-        from ..checkpoint_manager import checkpoints_root
+        from ..components.checkpoint_manager import checkpoints_root
         from .export import save_classifier
 
         s = self.session

@@ -7,7 +7,7 @@ import os
 import torch
 
 from .cpu_runtime import keep_freed_memory
-from .errors import ConfigError, DataError
+from ..errors import ConfigError, DataError
 
 
 def make_accelerator(tc):
@@ -86,7 +86,7 @@ def build_model(s, data):
     from accelerate.utils import set_seed
 
     from .hf_import import import_for_training, is_hf_model_dir
-    from .model import BertConfig, BertForPreTraining, ModelImpl
+    from ..model import BertConfig, BertForPreTraining, ModelImpl
 
     init_from = s.trainer.init_from
     hf_state, notes = None, []

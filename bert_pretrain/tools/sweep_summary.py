@@ -7,7 +7,7 @@ Two entry points share the same code:
   ``hydra.callbacks``) records each member's outcome in ``<member dir>/trial.json`` when the job
   ends, and writes the summary into the sweep dir when the multirun ends -- also when Hydra's basic
   sweeper aborts the sweep because a member failed (it raises before ``on_multirun_end``).
-* ``bert-sweep-summary <sweep_dir>`` (``python -m bert_pretrain.sweep_summary``) rebuilds the
+* ``bert-sweep-summary <sweep_dir>`` (``python -m bert_pretrain.tools.sweep_summary``) rebuilds the
   summary of an existing sweep dir, e.g. one killed by SLURM or run before this existed.
 
 A member is any directory under the sweep dir holding ``.hydra/overrides.yaml`` (so custom

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .redact import redact
 
 LOGGERS = ("none", "wandb")

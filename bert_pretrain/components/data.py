@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .data_schedules import LR_SCALINGS, MASK_SCHEDULES, batch_ramp, masking_rate
-from .errors import DataError
+from ..errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSIONS = (1, 2)

@@ -9,7 +9,7 @@ another number of processes, draws the same batches with the same masks.
 import math
 from dataclasses import dataclass
 
-from .errors import DataError
+from ..errors import DataError
 
 MASK_SCHEDULES = ("linear", "cosine", "step")
 # Exponent p of the learning-rate factor (batch / final batch) ** p during a batch warmup.

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 # A BERT tokenizer's files in a transformers directory (what bert-prep writes, and the added
 # tokens transformers may save beside them).
@@ -41,8 +41,8 @@ class LoadedModel:
 def resolve_checkpoint(path: str, warn=None) -> str:
     """A verified checkpoint directory from a run directory (the newest valid checkpoint of its
     current line, as resume=auto picks: checkpoint_manager.py) or a checkpoint."""
-    from . import checkpoint as ckpt
-    from .checkpoint_manager import CheckpointManager, checkpoints_root
+    from ..components import checkpoint as ckpt
+    from ..components.checkpoint_manager import CheckpointManager, checkpoints_root
 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory; pass a run directory, a "
@@ -68,8 +68,8 @@ def resolve_checkpoint(path: str, warn=None) -> str:
 
 def checkpoint_config(checkpoint: str):
     """The BertConfig of one of our checkpoints (its files verified on the way)."""
-    from . import checkpoint as ckpt
-    from .model import BertConfig
+    from ..components import checkpoint as ckpt
+    from ..model import BertConfig
 
     state = ckpt.read_train_state(checkpoint)
     try:
@@ -81,9 +81,9 @@ def checkpoint_config(checkpoint: str):
 def load_model(path: str, warn=None) -> LoadedModel:
     """Our BertForPreTraining from a run dir, a checkpoint or a transformers directory. `warn`
     gets each warning line (e.g. a damaged checkpoint skipped)."""
-    from . import checkpoint as ckpt
-    from .hf_import import is_hf_model_dir, read_hf_model
-    from .model import BertConfig, BertForPreTraining, ModelImpl
+    from ..components import checkpoint as ckpt
+    from ..components.hf_import import is_hf_model_dir, read_hf_model
+    from ..model import BertConfig, BertForPreTraining, ModelImpl
 
     if os.path.isdir(path) and is_hf_model_dir(path):
         config, state = read_hf_model(path)
@@ -107,7 +107,7 @@ def load_model(path: str, warn=None) -> LoadedModel:
 def checkpoint_tokenizer_files(state: dict) -> list:
     """The tokenizer files a checkpoint's state lists (names inside its tokenizer/; the
     tokenizer is flat, so nothing nested)."""
-    from . import checkpoint as ckpt
+    from ..components import checkpoint as ckpt
 
     under = ckpt.TOKENIZER_DIR + "/"
     return [n[len(under):] for n in ckpt.listed_files(state, under) if "/" not in n[len(under):]]

@@ -1,6 +1,6 @@
 """`bert-launch`: `accelerate launch` with its own --help and a short failure report:
 
-    python -m bert_pretrain.launch --config_file conf/accelerate/cpu_2proc.yaml \\
+    python -m bert_pretrain.tools.launch --config_file conf/accelerate/cpu_2proc.yaml \\
         -m bert_pretrain.train experiment=smoke data.dir=...
 
 takes exactly `accelerate launch`'s arguments.  When a process fails, plain `accelerate launch`

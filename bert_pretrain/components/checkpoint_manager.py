@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 from . import checkpoint as ckpt
 from .checkpoint_line import OLD_PREFIX, POINTER, CheckpointLine, Line
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
 
 ABANDONED_PREFIX = "abandoned-"
 # What an interrupted save, deletion or pointer write leaves behind (all dot names).

@@ -30,8 +30,8 @@ import shutil
 import sys
 import tempfile
 
-from .cli_errors import fail
-from .errors import UserError
+from ..cli_errors import fail
+from ..errors import UserError
 
 # transformers ties these to the word embeddings / `cls.predictions.bias` and does not save them.
 TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
@@ -68,9 +68,9 @@ def export(source: str, out_dir: str, head: str = "pretraining") -> str:
     (HEADS); returns the checkpoint used."""
     from safetensors.torch import save_file
 
-    from . import checkpoint as ckpt
-    from .hf_import import is_hf_model_dir
-    from .model import BertForPreTraining
+    from ..components import checkpoint as ckpt
+    from ..components.hf_import import is_hf_model_dir
+    from ..model import BertForPreTraining
     from .model_loading import checkpoint_config, checkpoint_tokenizer_files, resolve_checkpoint
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):

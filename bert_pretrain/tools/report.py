@@ -25,8 +25,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .cli_errors import fail
-from .errors import UserError
+from ..cli_errors import fail
+from ..errors import UserError
 
 PROG = "bert-report"
 BASELINE_KEY = "eval_mlm_majority_baseline"
@@ -75,7 +75,7 @@ def _read_config(run_dir: str, checkpoint: Optional[str]) -> dict:
     """The resolved config saved in the latest checkpoint, else Hydra's .hydra/config.yaml."""
     from omegaconf import OmegaConf
 
-    from . import checkpoint as ckpt
+    from ..components import checkpoint as ckpt
 
     texts = []
     if checkpoint:
@@ -110,8 +110,8 @@ def _baseline(run: Run) -> tuple:
         return None, "not available (no data.dir in the run's config)", "not available"
     split = (run.config.get("data") or {}).get("eval_split", "validation")
     try:
-        from .data import PreparedData
-        from .evaluation import majority_baseline
+        from ..components.data import PreparedData
+        from ..components.evaluation import majority_baseline
 
         return majority_baseline(PreparedData(data_dir), split), \
             f"computed from {data_dir} ({split} split)", \
@@ -122,8 +122,8 @@ def _baseline(run: Run) -> tuple:
 
 
 def read_run(run_dir: str) -> Run:
-    from . import checkpoint as ckpt
-    from .checkpoint_manager import CheckpointManager
+    from ..components import checkpoint as ckpt
+    from ..components.checkpoint_manager import CheckpointManager
 
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isdir(run_dir):

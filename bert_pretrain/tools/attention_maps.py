@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cli_errors import fail
-from .errors import UserError
+from ..cli_errors import fail
+from ..errors import UserError
 
 PROG = "bert-attention"
 

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Optional
 
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
 
 # Settings that change the training from the checkpoint on.  Not here: speed-only settings
 # (impl.*, optim.fused, data.pad_to_multiple_of, trainer.micro_batch_size: with the global-batch
@@ -64,7 +64,7 @@ def _schema_defaults() -> dict:
     from dataclasses import asdict, fields
 
     from .data import DataConfig
-    from .model import BertConfig
+    from ..model import BertConfig
     from .optim import OptimConfig, SchedulerConfig
     from .trainer_config import TrainerConfig
 

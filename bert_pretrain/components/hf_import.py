@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from .errors import CheckpointError, DataError
+from ..errors import CheckpointError, DataError
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -68,7 +68,7 @@ def is_hf_model_dir(path: str) -> bool:
 def read_hf_config(path: str) -> dict:
     """config.json -> a `BertConfig.from_dict`-compatible dict; one-line CheckpointError when the
     model is not a BERT encoder we can compute exactly."""
-    from .model import BertConfig
+    from ..model import BertConfig
 
     file = os.path.join(path, CONFIG_FILE)
     try:
@@ -135,7 +135,7 @@ def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[b
     (None: config.json's, else BERT's true) chooses the model: False gives an MLM-only model
     (continued pretraining on MLM-only data), whose state dict leaves out a pooler and NSP head
     the directory may have."""
-    from .model import BertConfig, BertForPreTraining
+    from ..model import BertConfig, BertForPreTraining
 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from . import checkpoint as ckpt
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 POINTER = "latest.json"
 POINTER_FORMAT = 1

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")

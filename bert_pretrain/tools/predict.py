@@ -20,8 +20,8 @@ import json
 import os
 import sys
 
-from .cli_errors import fail
-from .errors import UserError
+from ..cli_errors import fail
+from ..errors import UserError
 
 PROG = "bert-predict"
 IS_NEXT = 0  # NSP class index of "B follows A" (see the module docstring)
