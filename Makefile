@@ -68,6 +68,9 @@ gpu-check: ## On a GPU machine: tests, bench, train, GLUE, suite in 8 min (bench
 	  echo "gpu-check: installing the staged wheels (.whl/) into /tmp/site"; \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
 	    --target /tmp/site .whl/*.whl; fi
+	@# the console scripts (bert-train, ...) for the tests that run them, without a venv
+	-PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pip install -q \
+	  --no-index --no-deps --no-build-isolation -e .
 	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} WANDB_MODE=disabled HF_HUB_OFFLINE=1 \
 	  $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
