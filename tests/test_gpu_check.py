@@ -49,11 +49,15 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "Device: cpu (no GPU: plumbing check only)" in summary
     results = json.loads((out / "results.json").read_text())
-    statuses = {r["name"]: r["status"] for stage in results["stages"].values()
-                for r in stage.get("runs", [stage])}
+    records = {r["name"]: r for stage in results["stages"].values()
+               for r in stage.get("runs", [stage])}
+    statuses = {name: r["status"] for name, r in records.items()}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok", "bert_glue": "ok",
-                        "pytest_default": "ok"}, statuses
+                        "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
+    # the compile bench comes last, after the suites
+    assert max(records.values(), key=lambda r: r["started_s"])["name"] == \
+        "bench_1_bert_tiny_4_128"
     bench = json.loads((out / "bench_0_bert_tiny_8_64.json").read_text())
     assert bench["device"] == "cpu"
     assert {r["model"] for r in bench["summary"]} == {"ours", "transformers", "ours-no-unpad",
