@@ -1,5 +1,5 @@
-"""bench/bench_model.py end to end on a tiny preset: what the README's speed table is made of
-(runs, their median and spread, the competing-process run, the load it records)."""
+"""bench/bench_model.py end to end on a tiny preset: what docs/benchmarks.md's speed table is
+made of (runs, their median and spread, the competing-process run, the load it records)."""
 from __future__ import annotations
 
 import json

@@ -13,7 +13,7 @@ it with a warning.  Then:
 - the final weights equal those of an uninterrupted run bit for bit (CPU);
 - no restart prints a traceback.
 
-Counts are printed (pytest -s) as the table in the README:
+Counts are printed (pytest -s) as the table in docs/checkpoints.md ("Reliability"):
     pytest -m slow -s tests/test_faults.py
 Set FAULTS=N to inject more (default 24) and FAULT_SEED to draw other moments.
 """

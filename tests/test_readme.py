@@ -1,11 +1,23 @@
-"""The README's commands work as written, and show what the code does.
+"""The README's commands work as written, and the README and docs/ show what the code does.
 
-Which blocks run: the fenced blocks whose info string is `bash readme-test` or
-`python readme-test` (GitHub still highlights them as bash / python). They run in README order,
-one test each, all in one scratch directory (the working directory), so a later block sees what
-an earlier one wrote (my_texts/, prepared/, runs/, exported/), as for a reader following the
-README. The console scripts and `python` are the ones of this environment; `conf` in the scratch
-directory links to the repository's (for `--config_file conf/accelerate/...`).
+Two kinds of check. The README's first hour and its `make demo` block run as written (below);
+every other command line of the README and of every docs/*.md page is checked without running
+it: a bert-prep / bert-train / bert-finetune / bert-glue line composes its config (real groups,
+options and keys, as the command checks them before it starts), a line of the other bert-*
+commands, `accelerate launch`, `python bench/*.py` or `python -m ...` parses with the command's
+own argument parser, and a `make` line names real targets (a sweep's line as one of its runs;
+a Hydra line with a placeholder, `...` or `<dir>`, and a line with shell syntax, `$VAR` or a
+pipe, are left out). Links and #anchors (GitHub's slugs of
+the headings, in the same file or another) lead somewhere in every one of those files, and the
+README links every docs/*.md page.
+
+Which blocks run: the fenced blocks of README.md whose info string is `bash readme-test` or
+`python readme-test` (GitHub still highlights them as bash / python); docs/ pages have none.
+They run in README order, one test each, all in one scratch directory (the working directory),
+so a later block sees what an earlier one wrote (my_texts/, prepared/, runs/, exported/), as for
+a reader following the README. The console scripts and `python` are the ones of this
+environment; `conf` in the scratch directory links to the repository's (for
+`--config_file conf/accelerate/...`).
 
 Tiny overrides: every bert-prep / bert-train command of a bash block (also `python -m
 bert_pretrain.train` and `accelerate launch ... -m bert_pretrain.train`) gets TINY[its command]
@@ -23,11 +35,12 @@ be a line of that block's standard output, in that order ("..." lines are skippe
 
 `make demo`: the block fenced `bash readme-test make-demo` must hold exactly the commands of the
 Makefile's `demo` recipe.
-
-Blocks that call a command whose code is not on this branch yet are skipped, naming it (see
-`missing_feature`); once everything is merged none is.
 """
 
+import contextlib
+import glob
+import io
+import json
 import os
 import re
 import shlex
@@ -40,6 +53,8 @@ from time_limits import hang_limit
 from train_support import REPO
 
 README = os.path.join(REPO, "README.md")
+DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
+MARKDOWN = [README] + DOCS
 BIN = os.path.dirname(sys.executable)
 
 TINY = {
@@ -52,6 +67,11 @@ TINY = {
                    "model.num_attention_heads=2", "model.intermediate_size=64"],
 }
 FENCE = re.compile(r"^```(\S*)(.*)$")
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
 def parse_blocks(text):
@@ -79,8 +99,7 @@ def parse_blocks(text):
 
 
 def readme_blocks():
-    with open(README) as f:
-        blocks = parse_blocks(f.read())
+    blocks = parse_blocks(read(README))
     return [b for b in blocks if b[0] in ("bash", "python") and "readme-test" in b[1]]
 
 
@@ -102,11 +121,33 @@ def words_of(line):
     return shlex.split(line, comments=True)
 
 
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def command_words(words):
+    """`words` without the environment assignments in front (OMP_NUM_THREADS=1 bert-train ...)."""
+    i = 0
+    while i < len(words) and ENV_ASSIGNMENT.match(words[i]):
+        i += 1
+    return words[i:]
+
+
+# The Hydra commands' modules, as `python -m` / `accelerate launch -m` / `torchrun -m` run them.
+HYDRA_MODULES = {"bert_pretrain.train": "bert-train", "bert_pretrain.finetune": "bert-finetune"}
+LAUNCHERS = ("accelerate", "bert-launch", "torchrun")
+
+
 def program(words):
-    if words[:1] == ["python"] and words[1:3] == ["-m", "bert_pretrain.train"]:
-        return "bert-train"
-    if words[:2] == ["accelerate", "launch"] and "bert_pretrain.train" in words:
-        return "bert-train"
+    """The command a line runs: bert-train for `python -m bert_pretrain.train` and for a
+    launcher of it, else the first word after any environment assignments."""
+    words = command_words(words)
+    if words[:1] == ["python"] and words[1:2] == ["-m"] and words[2:3] \
+            and words[2] in HYDRA_MODULES:
+        return HYDRA_MODULES[words[2]]
+    if words[:1] and words[0] in LAUNCHERS:
+        for module, prog in HYDRA_MODULES.items():
+            if module in words:
+                return prog
     return words[0] if words else ""
 
 
@@ -121,21 +162,6 @@ def with_tiny_overrides(body, extra):
             line = shlex.join(words)
         out.append(line)
     return "\n".join(out)
-
-
-def missing_feature(body):
-    """A command of `body` whose code is not on this branch yet, or None."""
-    commands = {program(words_of(line)) for line in logical_lines(body)}
-    for command, module in [("bert-predict", "predict"), ("bert-report", "report"),
-                            ("bert-attention", "attention_maps")]:
-        if command in commands and not os.path.exists(
-                os.path.join(REPO, "bert_pretrain", module + ".py")):
-            return command
-    if "bert-export" in commands:  # a run directory as its source came with bert-predict
-        r = run_shell("bert-export --help", REPO)
-        if "run directory" not in r.stdout:
-            return "bert-export RUN_DIR"
-    return None
 
 
 def environment():
@@ -168,8 +194,17 @@ def scratch(tmp_path_factory):
 def test_the_readme_has_tested_blocks_for_every_first_hour_step():
     commands = " ".join(b[2] for b in BLOCKS)
     for command in ("bert-prep", "bert-train", "resume=auto", "bert-report", "bert-export",
-                    "bert-predict fill-mask", "bert-predict nsp", "bert-attention"):
+                    "--head masked-lm", "bert-predict fill-mask", "bert-predict nsp",
+                    "bert-attention"):
         assert command in commands, command
+
+
+def test_only_the_readme_has_blocks_that_run():
+    """A `readme-test` block elsewhere would never run: it would look tested and be unchecked."""
+    for path in DOCS:
+        flagged = [b[2].splitlines()[0] for b in parse_blocks(read(path)) if "readme-test" in b[1]]
+        assert not flagged, f"{os.path.relpath(path, REPO)}: readme-test blocks run only in " \
+                            f"README.md: {flagged}"
 
 
 @pytest.mark.slow
@@ -184,24 +219,14 @@ def test_readme_block_runs_as_written(index, scratch):
                 run_block(previous, scratch)
             except BaseException:  # noqa: BLE001 -- its own test reports it
                 RAN.setdefault(previous, "failed")
-    skipped = [block_id(BLOCKS[i]) for i in range(index) if RAN[i] == "skipped"]
-    try:
-        run_block(index, scratch)
-    except AssertionError:
-        if skipped:  # only while features are unmerged: it may need their output
-            pytest.skip(f"fails after skipped block(s) {skipped}, whose output it may need")
-        raise
+    run_block(index, scratch)
 
 
-RAN = {}  # block index -> "skipped" or the exit status of its run
+RAN = {}  # block index -> the exit status of its run, or "failed"
 
 
 def run_block(index, scratch):
     lang, flags, body, extra, expected = BLOCKS[index]
-    missing = missing_feature(body)
-    if missing:
-        RAN[index] = "skipped"
-        pytest.skip(f"{missing} is not on this branch yet")
     if lang == "python":
         script = f"python - <<'READMEPY'\n{body}\nREADMEPY"
     else:
@@ -219,12 +244,15 @@ def run_block(index, scratch):
             position = out.index(line, position) + 1
 
 
+def makefile_targets():
+    return set(re.findall(r"^([a-zA-Z_-]+):", read(os.path.join(REPO, "Makefile")), re.M))
+
+
 def test_make_demo_runs_the_readme_commands():
     """The README's `make demo` block is the Makefile's demo recipe, command for command."""
     [block] = [b for b in BLOCKS if "make-demo" in b[1]]
     readme = [line for line in logical_lines(block[2]) if line.strip()]
-    with open(os.path.join(REPO, "Makefile")) as f:
-        makefile = f.read()
+    makefile = read(os.path.join(REPO, "Makefile"))
     variables = dict(re.findall(r"^(\w+) :?= (.*)$", makefile, re.M))
     recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
     commands = []
@@ -236,8 +264,7 @@ def test_make_demo_runs_the_readme_commands():
 
 
 def test_every_make_target_has_a_help_line():
-    with open(os.path.join(REPO, "Makefile")) as f:
-        makefile = f.read()
+    makefile = read(os.path.join(REPO, "Makefile"))
     phony = re.search(r"^\.PHONY: (.*)$", makefile, re.M).group(1).split()
     targets = re.findall(r"^([a-zA-Z_-]+):", makefile, re.M)
     documented = re.findall(r"^([a-zA-Z_-]+):.*## \S", makefile, re.M)
@@ -249,66 +276,266 @@ CONFIGS = {"bert-prep": ("prep", "prep"), "bert-train": ("train", "train"),
            "bert-finetune": ("finetune", "finetune"), "bert-glue": ("finetune", "glue")}
 
 
-def documented_commands():
-    """The Hydra commands' lines of the README's other bash blocks (those that
-    need data or machines a test does not have): [(program, overrides, line)], leaving out lines
-    with a placeholder (`...`, `<dir>`)."""
-    with open(README) as f:
-        blocks = parse_blocks(f.read())
+def console_scripts():
+    """{command: "module:function"} from pyproject.toml's [project.scripts]."""
+    text = read(os.path.join(REPO, "pyproject.toml"))
+    section = re.search(r"^\[project\.scripts\]\n(.*?)(?:^\[|\Z)", text, re.M | re.S).group(1)
+    return dict(re.findall(r'^([\w-]+) = "([\w.:]+)"', section, re.M))
+
+
+def documented_lines():
+    """[(file, words, line)] for every plain command line of the bash blocks of the README
+    (apart from the blocks that run) and of every docs/*.md page."""
     found = []
-    for lang, flags, body, _, _ in blocks:
-        if lang != "bash" or "readme-test" in flags:
-            continue
-        for line in logical_lines(body):
-            words = words_of(line.strip())
-            prog = program(words)
-            if prog == "bert-train" and "bert_pretrain.train" in words:
-                words = [prog] + words[words.index("bert_pretrain.train") + 1:]
-            if prog in CONFIGS and not any("..." in w or "<" in w for w in words):
-                found.append((prog, words[1:], line.strip()))
+    for path in MARKDOWN:
+        for lang, flags, body, _, _ in parse_blocks(read(path)):
+            if lang != "bash" or "readme-test" in flags:
+                continue
+            for line in logical_lines(body):
+                words = command_words(words_of(line.strip()))
+                if words:
+                    found.append((os.path.relpath(path, REPO), words, line.strip()))
     return found
 
 
-def test_the_readmes_other_commands_compose():
-    """Every complete bert-prep / bert-train / bert-finetune / bert-glue line elsewhere in the
-    README names real groups, options and keys (the same check the commands make before they
-    start)."""
+def is_placeholder(word):
+    return "..." in word or "<" in word
+
+
+def sweep_free(overrides):
+    """A multirun command line as one of its runs: `-m` dropped, `key=a,b,c` as `key=a` (Hydra
+    composes each run of a sweep like that; a sweeper's own search space is in its config)."""
+    out = []
+    for arg in overrides:
+        if arg in ("-m", "--multirun"):
+            continue
+        key, eq, value = arg.partition("=")
+        if eq and "," in value and not re.search(r"[\[\](){}'\"]", value):
+            arg = f"{key}={value.split(',')[0]}"
+        out.append(arg)
+    return out
+
+
+def hydra_commands():
+    """The Hydra commands' lines: [(file, program, overrides, line)], leaving out lines with a
+    placeholder (`...`, `<dir>`)."""
+    found = []
+    for path, words, line in documented_lines():
+        prog = program(words)
+        if prog not in CONFIGS or any(is_placeholder(w) for w in words):
+            continue
+        for module in HYDRA_MODULES:
+            if module in words:
+                words = [prog] + words[words.index(module) + 1:]
+        found.append((path, prog, sweep_free(words[1:]), line))
+    return found
+
+
+def compose_failure(prog, overrides):
+    """None if `prog`'s config composes with `overrides`, else the one line the command prints."""
     from bert_pretrain.cli_errors import precheck
     from bert_pretrain.config import register
     from bert_pretrain.finetune.config import register as register_finetune
 
-    register()
+    register()  # the structured configs the YAML files name (idempotent)
     register_finetune()
-    commands = documented_commands()
-    assert len(commands) >= 10
-    assert {"bert-finetune", "bert-glue"} <= {prog for prog, _, _ in commands}
-    for prog, overrides, line in commands:
-        root, name = CONFIGS[prog]
-        try:
-            precheck(prog, os.path.join(REPO, "conf", root), name, overrides,
-                     skip=lambda arg: arg.lstrip("+").startswith("hparams_search="))
-        except SystemExit:
-            pytest.fail(f"README: {line}")
+    root, name = CONFIGS[prog]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            precheck(prog, os.path.join(REPO, "conf", root), name, overrides)
+    except SystemExit:
+        return err.getvalue().strip() or "exit 2"
+    return None
+
+
+def test_the_documented_hydra_commands_compose():
+    """Every complete bert-prep / bert-train / bert-finetune / bert-glue line of the README and
+    docs/ (a sweep's lines as one of their runs, an Optuna search with its sweeper's config)
+    names real groups, options and keys: the check each command makes before it starts."""
+    commands = hydra_commands()
+    assert len(commands) >= 40
+    assert set(CONFIGS) <= {prog for _, prog, _, _ in commands}
+    assert any("hparams_search=" in " ".join(o) for _, _, o, _ in commands)
+    failures = []
+    for path, prog, overrides, line in commands:
+        failure = compose_failure(prog, overrides)
+        if failure:
+            failures.append(f"{path}: {line}\n    {failure}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_wrong_key_in_a_documented_command_is_caught():
+    """The check above fails on a misspelt key, option or group, in a sweep too."""
+    assert compose_failure("bert-train", sweep_free(["-m", "optim.lr=1e-4,3e-4"])) is None
+    assert compose_failure("bert-train", ["trainer.max_stepz=5"])
+    assert compose_failure("bert-train", sweep_free(["-m", "optim.lrr=1e-4,3e-4"]))
+    assert compose_failure("bert-train", ["hparams_search=mlm_tpe", "hydra.sweeper.n_trialz=3"])
+    assert compose_failure("bert-prep", ["corpus=builtin", "corpus.pahts=[x]"])
+    assert compose_failure("bert-glue", ["tasks=fast", "contrls=true"])
+
+
+# Run in a child process (the bench scripts set process-wide things as they load): each line's
+# entry point runs with argparse's parse_args replaced by one that parses and then stops it, so
+# a line that parses does nothing, and one that does not gives argparse's error line.
+PARSE_ONLY = r"""
+import argparse, contextlib, importlib, io, json, runpy, sys
+
+class Parsed(BaseException):
+    pass
+
+parse_args = argparse.ArgumentParser.parse_args
+
+def parse_then_stop(self, args=None, namespace=None):
+    parse_args(self, args, namespace)
+    raise Parsed
+
+argparse.ArgumentParser.parse_args = parse_then_stop
+results = []
+for kind, target, argv in json.load(sys.stdin):
+    sys.argv = [target] + argv
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            if kind == "entry":
+                module, function = target.split(":")
+                getattr(importlib.import_module(module), function)()
+            elif kind == "path":
+                sys.path.insert(0, target.rpartition("/")[0])  # as `python script.py` does
+                runpy.run_path(target, run_name="__main__")
+            else:
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+        results.append("it ran without parsing its arguments")
+    except Parsed:
+        results.append(None)
+    except SystemExit as exc:
+        lines = err.getvalue().strip().splitlines()
+        results.append(None if exc.code in (0, None) else lines[-1] if lines else str(exc.code))
+    except Exception as exc:
+        results.append(f"{type(exc).__name__}: {exc}")
+print(json.dumps(results))
+"""
+
+
+def argparse_command(words):
+    """(kind, target, argv) to parse one line with its program's own parser, or None."""
+    scripts = console_scripts()
+    words = [w for w in words if w != "..."]
+    prog = words[0]
+    if prog == "accelerate" and words[1:2] == ["launch"]:
+        return "entry", scripts["bert-launch"], words[2:]
+    if prog in scripts and prog not in CONFIGS:
+        return "entry", scripts[prog], words[1:]
+    if prog == "python" and words[1:2] == ["-m"] and len(words) > 2 \
+            and words[2] not in HYDRA_MODULES:
+        return "module", words[2], words[3:]
+    if prog == "python" and len(words) > 1 and words[1].endswith(".py"):
+        return "path", os.path.join(REPO, words[1]), words[2:]
+    return None
+
+
+def parse_failures(lines):
+    """For [(kind, target, argv)]: None where the line parses, else argparse's error."""
+    r = subprocess.run([sys.executable, "-c", PARSE_ONLY], input=json.dumps(lines), cwd=REPO,
+                       env=environment(), capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_documented_commands_parse_and_name_real_things():
+    """Every line of the other bert-* commands (bert-export, bert-predict, bert-attention,
+    bert-report, bert-sweep-summary, bert-launch), of `accelerate launch`, of `python bench/...`
+    and `python -m ...` parses with that program's own argument parser; every `make` line
+    names real targets; no line calls a bert-* command that does not exist."""
+    scripts, targets = console_scripts(), makefile_targets()
+    to_parse, failures = [], []
+    for path, words, line in documented_lines():
+        if words[0] == "make":
+            unknown = [w for w in words[1:] if "=" not in w and w not in targets]
+            if unknown:
+                failures.append(f"{path}: {line}\n    no make target {unknown}")
+            continue
+        if words[0].startswith("bert-") and words[0] not in scripts:
+            failures.append(f"{path}: {line}\n    no command {words[0]}")
+            continue
+        command = argparse_command(words)
+        if command:
+            to_parse.append((path, line, command))
+    assert {"bert-export", "bert-predict", "bert-attention", "bert-report",
+            "bert-sweep-summary"} <= {line.split()[0] for _, line, _ in to_parse}
+    assert any(c[0] == "path" for _, _, c in to_parse)
+    for (path, line, _), failure in zip(to_parse, parse_failures([c for _, _, c in to_parse])):
+        if failure:
+            failures.append(f"{path}: {line}\n    {failure}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_wrong_option_in_a_documented_command_is_caught():
+    """The check above fails on an option a command does not have, a missing argument or a
+    bench script's misspelt flag, and passes the same lines written right."""
+    lines = [argparse_command(shlex.split(line)) for line in (
+        "bert-export runs/demo exported/demo --head masked-lm",
+        "bert-export runs/demo exported/demo --head masked_lm",
+        "bert-predict fill-mask runs/demo 'A [MASK].' --topk 5",
+        "bert-report",
+        "accelerate launch --num_proceses 2 -m bert_pretrain.train",
+        "python bench/bench_model.py --threads 1",
+        "python bench/bench_model.py --thred 1",
+        "python -m bert_pretrain.tools.sweep_summary multirun/x --metric objective --mode min",
+        "python -m bert_pretrain.tools.sweep_summary multirun/x --mode minimum")]
+    assert [failure is None for failure in parse_failures(lines)] == [
+        True, False, False, False, False, True, False, True, False]
 
 
 def heading_slugs(markdown: str) -> set:
-    """GitHub's anchors of a markdown text's headings."""
+    """GitHub's anchors of a markdown text's headings (a repeated heading gets -1, -2, ...)."""
     prose = re.sub(r"^```.*?^```", "", markdown, flags=re.M | re.S)  # a "# comment" is no heading
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
-            for h in re.findall(r"^#+ (.*)$", prose, re.M)}
+    slugs, seen = set(), {}
+    for heading in re.findall(r"^#+ (.*)$", prose, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        slugs.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return slugs
 
 
-def test_the_readmes_links_lead_somewhere():
-    """Section links (#anchor, GitHub's slugs of the headings) and links to repository files."""
-    with open(README) as f:
-        text = f.read()
-    slugs = heading_slugs(text)
-    for target in re.findall(r"\]\(([^)]+)\)", text):
-        if target.startswith("#"):
-            assert target[1:] in slugs, target
-        elif "://" not in target:
-            path, _, anchor = target.partition("#")
-            assert os.path.exists(os.path.join(REPO, path)), target
-            if anchor:  # a section of another markdown file
-                with open(os.path.join(REPO, path)) as f:
-                    assert anchor in heading_slugs(f.read()), target
+def broken_links(path: str) -> list:
+    """The links of a markdown file that lead nowhere: a missing file (relative to the file's
+    own folder), a #anchor that is no heading of its file."""
+    text, broken = read(path), []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+        if not linked.startswith(REPO + os.sep) or not os.path.exists(linked):
+            broken.append(target)
+        elif anchor and (not linked.endswith(".md") or anchor not in heading_slugs(read(linked))):
+            broken.append(target)
+    return broken
+
+
+def test_the_links_lead_somewhere():
+    """Section links (#anchor, GitHub's slugs of the headings), links to other files and to
+    their sections, in the README and in every docs/*.md page."""
+    broken = {os.path.relpath(p, REPO): broken_links(p) for p in MARKDOWN}
+    assert not {p: b for p, b in broken.items() if b}
+
+
+def test_a_broken_link_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", str(tmp_path))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A page\n## Its part\n```bash\n# no heading\n```\n")
+    (tmp_path / "README.md").write_text(
+        "# Title\n[ok](docs/a.md) [ok](docs/a.md#its-part) [ok](#title)\n"
+        "[no](docs/b.md) [no](docs/a.md#no-heading) [no](#its-part) [no](../outside.md)\n")
+    (tmp_path / "docs" / "b-link.md").write_text("[ok](a.md#a-page) [no](docs/a.md)\n")
+    assert broken_links(str(tmp_path / "README.md")) == [
+        "docs/b.md", "docs/a.md#no-heading", "#its-part", "../outside.md"]
+    assert broken_links(str(tmp_path / "docs" / "b-link.md")) == ["docs/a.md"]
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {os.path.normpath(os.path.join(REPO, target.partition("#")[0]))
+              for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)\s]*)?\)", read(README))}
+    unlinked = [os.path.relpath(p, REPO) for p in DOCS if p not in linked]
+    assert DOCS and not unlinked, f"README.md links no page {unlinked}"
