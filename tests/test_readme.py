@@ -129,7 +129,7 @@ def missing_feature(body):
     for command, module in [("bert-predict", "predict"), ("bert-report", "report"),
                             ("bert-attention", "attention_maps")]:
         if command in commands and not os.path.exists(
-                os.path.join(REPO, "bert_pretrain", module + ".py")):
+                os.path.join(REPO, "bert_pretrain", "tools", module + ".py")):
             return command
     if "bert-export" in commands:  # a run directory as its source came with bert-predict
         r = run_shell("bert-export --help", REPO)
