@@ -63,7 +63,7 @@ def test_demo_installs_the_project_without_the_test_extras_and_test_adds_them(ch
     assert pip_installs(make(checkout, "install")) == ['torch==2.13.0', "-e ."]
     calls = make(checkout, "demo")
     assert pip_installs(calls) == []
-    assert [c.split()[0] for c in calls] == ["bert-prep", "bert-train"]
+    assert [c.split()[0] for c in calls] == ["bert-prep", "bert-train", "bert-predict"]
     calls = make(checkout, "test")
     assert pip_installs(calls) == ['-e .[test]'] and calls[-1].startswith("python -m pytest")
     assert pip_installs(make(checkout, "test")) == []  # done once
