@@ -252,6 +252,36 @@ def test_console_lines_and_train_log(tmp_path, synthetic):
     assert (run / "report" / "report.md").is_file()
 
 
+@pytest.mark.parametrize("mode", ["steps", "budget"])
+def test_the_progress_line_counts_the_step_once(tmp_path, synthetic, monkeypatch, mode):
+    """The progress line (no terminal: a line each time; here every update) showed the bar's
+    step count beside the last logged step (`25/1,000 step ... step=20`). In step mode the bar's
+    count is the step and says it alone; in budget mode the bar counts seconds and the step
+    beside it is the step just done, not the last logged one."""
+    import io
+
+    import bert_pretrain.components.progress as progress
+
+    shown = io.StringIO()
+    real = progress.progress_bar
+    monkeypatch.setattr(progress, "progress_bar", lambda *a, **k: real(
+        *a, **{**k, "stream": shown, "every_s": 0}))
+    length = ["trainer.budget_hours=1.0", "trainer.warmup_steps=1"] if mode == "budget" else []
+    train_in_process(base(synthetic, tmp_path / "run", "trainer.max_steps=7",
+                          "trainer.log_every=3", "trainer.progress_bar=true", *length))
+    lines = [ln for ln in shown.getvalue().splitlines() if ln.startswith("train: ")][:-1]
+    assert len(lines) == 7  # one per step (the last line, the closing one, is left out)
+    if mode == "steps":
+        assert [ln.split()[1] for ln in lines] == [f"{s}/7" for s in range(1, 8)]
+        assert not any("step=" in ln for ln in lines)
+    else:
+        import re
+
+        assert [int(re.search(r", step=(\d+)", ln).group(1)) for ln in lines] == \
+            list(range(1, 8))
+    assert "loss=" in lines[-1] and "lr=" in lines[-1]  # (the last logged values beside)
+
+
 def test_a_run_that_fails_at_setup_leaves_no_directory(tmp_path, synthetic):
     run = tmp_path / "runs" / "bad"
     r = run_bert_train(base(synthetic, run, "model.num_attention_heads=3"), cwd=str(tmp_path))
