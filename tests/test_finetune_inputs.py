@@ -219,6 +219,9 @@ def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monk
     (["models=[a]", "tasks=[sst2,foo]"], "tasks: ['foo']: use all, fast"),
     (["models=[a]", "task=sst2"], "did you mean tasks?"),
     (["tasks=fast"], "models is not set"),
+    # a bert-train setting, not 'did you mean data_dir?' (a name that only looks like it)
+    (["models=[a]", "data.dir=prepared/x"], "'data' is a bert-train setting (conf/train/), "
+                                            "not a bert-glue one"),
 ])
 def test_bert_glue_mistakes_are_one_line(args, expected, tmp_path, monkeypatch, capsys):
     from bert_pretrain.finetune import glue
