@@ -34,7 +34,8 @@ from .components.trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F
 
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
     """A seed per (step, global micro-batch): dropout masks do not depend on the world size or
-    on what ran before, so resumes and N-process runs reproduce single-process runs."""
+    on what ran before, so resumes and N-process runs reproduce single-process runs with the
+    same micro-batch size (another size cuts the global batch, and so the masks, otherwise)."""
     from .components.data import hash_uniform
 
     return int(hash_uniform(seed, 4, np.int64(step), np.int64(micro_index), np.int64(0))

@@ -17,8 +17,8 @@ from ..errors import CheckpointError, ConfigError
 
 # Settings that change the training from the checkpoint on.  Not here: speed-only settings
 # (impl.*, optim.fused, data.pad_to_multiple_of, trainer.micro_batch_size: with the global-batch
-# loss the micro-batch size changes nothing beyond float rounding), and bookkeeping (logging,
-# checkpoint and evaluation intervals, run_dir).
+# loss the micro-batch size changes nothing beyond float rounding, and which dropout masks are
+# drawn), and bookkeeping (logging, checkpoint and evaluation intervals, run_dir).
 RESULT_KEYS = (
     "optim.", "scheduler.", "data.dir", "data.masking", "data.masked_lm_prob",
     "data.train_split", "trainer.max_steps", "trainer.warmup_steps", "trainer.warmup_ratio",

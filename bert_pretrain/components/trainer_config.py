@@ -25,7 +25,9 @@ class TrainerConfig:
     """Samples per optimizer step over all processes."""
     micro_batch_size: Optional[int] = None
     """Samples per forward/backward on one process; null = global / world (no accumulation).
-    Accumulation steps = global / (world x micro). Changes speed and memory, not results."""
+    Accumulation steps = global / (world x micro). Changes speed and memory; results only by
+    float rounding without dropout (dropout masks are drawn per micro-batch, so with dropout on
+    another micro-batch size trains another, equally valid, model)."""
     mixed_precision: str = "auto"
     """auto: bf16 autocast where the hardware has bf16 matrix units (AMX-BF16 / AVX512-BF16 CPUs,
     bf16-capable GPUs), fp32 elsewhere; no (fp32), bf16, or fp16 (with dynamic loss scaling:
