@@ -15,7 +15,7 @@ those settings gain, they gain for transformers too; `--runs N` repeats everythi
 prints the median over runs with the min-max spread; the load from other processes during each
 run is recorded (cores busy outside this process, from /proc/stat).
 
-    python bench/bench_model.py --runs 3 --compete        # CPU: the README table
+    python bench/bench_model.py --runs 3 --compete        # CPU: the table in docs/benchmarks.md
     python bench/bench_model.py --presets bert_tiny:32 bert_small:32:512 --steps 3
     python bench/bench_model.py --compete                   # + one run beside a busy process
     python bench/bench_model.py --variants                  # also time our speed switches off

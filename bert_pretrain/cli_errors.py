@@ -161,22 +161,29 @@ def _other_option(conf_dir: str, group: str, leaf: str, schemas: Schemas) -> str
     return ""
 
 
-def _belongs_elsewhere(prog: str, conf_dir: str, key: str) -> str:
-    """If `key`'s first part is a group or setting of the other command, say so."""
+def _top_keys(path: str) -> set:
+    try:
+        from omegaconf import OmegaConf
+
+        return set(OmegaConf.load(path).keys()) - {"defaults", "hydra"}
+    except Exception:
+        return set()
+
+
+def _belongs_elsewhere(prog: str, conf_dir: str, config_name: str, key: str) -> str:
+    """If `key`'s first part is a group or setting of another command and not of this one,
+    say so."""
     head = key.split(".")[0].split("/")[0]
     own = os.path.basename(os.path.normpath(conf_dir))
+    if os.path.isdir(os.path.join(conf_dir, head)) or \
+            head in _top_keys(os.path.join(conf_dir, f"{config_name}.yaml")):
+        return ""
     for root, command in COMMANDS.items():
         if root == own:
             continue
         other = os.path.join(os.path.dirname(os.path.normpath(conf_dir)), root)
-        top = set()
-        try:
-            from omegaconf import OmegaConf
-
-            top = set(OmegaConf.load(os.path.join(other, f"{root}.yaml")).keys())
-        except Exception:
-            pass
-        if os.path.isdir(os.path.join(other, head)) or head in top - {"defaults", "hydra"}:
+        if os.path.isdir(os.path.join(other, head)) or \
+                head in _top_keys(os.path.join(other, f"{root}.yaml")):
             return f"'{head}' is a {command} setting (conf/{root}/), not a {prog} one"
     return ""
 
@@ -212,12 +219,15 @@ def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
     try:
         _compose(conf_dir, config_name, overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        message = one_line(exc, suggest)
-        if "did you mean" not in message:
+        # Another command's setting (data.dir to bert-finetune) is said to be one before any
+        # 'did you mean' of a name that only looks like it (data_dir).
+        bad = re.search(r"Could not (?:override|find) '([^']+)'", str(exc))
+        elsewhere = _belongs_elsewhere(prog, conf_dir, config_name, bad.group(1)) if bad else ""
+        message = one_line(exc, None if elsewhere else suggest)
+        if elsewhere:
+            message += f"; {elsewhere}"
+        elif "did you mean" not in message:
             hint = did_you_mean(exc, conf_dir, config_name, overrides, schemas)
-            if not hint:
-                bad = re.search(r"Could not (?:override|find) '([^']+)'", str(exc))
-                hint = _belongs_elsewhere(prog, conf_dir, bad.group(1)) if bad else ""
             message += f"; {hint}" if hint else ""
         where = os.path.join("conf", os.path.basename(os.path.normpath(conf_dir)))
         fail(prog, f"{message} (see `{prog} --help` or {where}/ for the keys and options)")

@@ -34,7 +34,8 @@ from .components.trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F
 
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
     """A seed per (step, global micro-batch): dropout masks do not depend on the world size or
-    on what ran before, so resumes and N-process runs reproduce single-process runs."""
+    on what ran before, so resumes and N-process runs reproduce single-process runs with the
+    same micro-batch size (another size cuts the global batch, and so the masks, otherwise)."""
     from .components.data import hash_uniform
 
     return int(hash_uniform(seed, 4, np.int64(step), np.int64(micro_index), np.int64(0))
@@ -271,6 +272,7 @@ class Trainer:
             self.log.info(line)
         self.stop = StopRequest()
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
+        self.bar_values = {}  # the last logged values the bar shows (log_step)
         # In budget mode the bar counts seconds of the budget, so its ETA is the real one.
         self.bar = progress_bar(round(budget) if budget else tc.max_steps, desc="train",
                                 unit="s" if budget else "step",
@@ -402,6 +404,8 @@ class Trainer:
                         result.num_tokens, result.seconds)
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
         if self.bar is not None:
+            if budget:  # the bar counts seconds; the step beside them is this one, every step
+                self.bar.set_postfix(step=self.step, **self.bar_values, refresh=False)
             self.bar.update(min(round(self.elapsed), round(budget)) - self.bar.n if budget else 1)
         # The last step is logged whatever its number (a budget ends anywhere), so the final
         # record carries the run's total time and tokens.
@@ -424,10 +428,12 @@ class Trainer:
             record["nonfinite_steps"] = self.nonfinite
         self.metrics.log(record)
         if self.bar is not None:
-            self.bar.set_postfix(step=self.step, lr=f"{self.lr:.2e}",
-                                 loss="skipped" if record["loss"] is None else
-                                 f"{record['loss']:.3f}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
+            # (the bar counts the steps, or in budget mode the seconds beside this step: one
+            # counter, never the last logged step beside the current one)
+            self.bar_values = dict(lr=f"{self.lr:.2e}", loss="skipped" if record["loss"] is None
+                                   else f"{record['loss']:.3f}",
+                                   tok_s=f"{record['tokens_per_s']:.0f}")
+            self.bar.set_postfix(**({"step": self.step} if budget else {}), **self.bar_values)
         self.window.reset()
 
     # ------------------------------------------------------------------ evaluation

@@ -43,7 +43,10 @@ def test_picture_has_one_panel_per_head(run, tmp_path, capsys):
     four = str(tmp_path / "four.png")
     main([run, "w1 w2 w3", "--layers", "0", "--heads", "0", "-o", one])
     main([run, "w1 w2 w3", "--layers", "all", "--heads", "all", "-o", four])
-    assert "2 layer(s) x 2 head(s)" in capsys.readouterr().out
+    # each success says where the picture went, in one line
+    assert capsys.readouterr().out.splitlines() == [
+        f"bert-attention: wrote {one} (1 layer(s) x 1 head(s), 5 tokens)",
+        f"bert-attention: wrote {four} (2 layer(s) x 2 head(s), 5 tokens)"]
     h1, w1 = matplotlib.image.imread(one).shape[:2]
     h4, w4 = matplotlib.image.imread(four).shape[:2]
     assert 1.6 < w4 / w1 < 2.4 and 1.6 < h4 / h1 < 2.4  # a 2 x 2 grid of the same panels

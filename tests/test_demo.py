@@ -6,7 +6,7 @@ steps a quiet 2-core machine gives in 3 minutes. It then asks what the README sh
 top-1 on bench/demo_check.py's sentences, accuracy at [MASK] positions far above always guessing
 the most frequent token, NSP above chance. Statistics with tolerances: the run is seeded, but
 fp32 and bf16 (or another CPU's kernels) train slightly different models. (At half these steps,
-as a busy machine gives, the recipe still learns, by less: README, "What the demo learns"; the
+as a busy machine gives, the recipe still learns, by less: docs/learning-check.md, "The demo"; the
 top-1 count there varies too much from seed to seed to test.)
 
 The fast tests check the README's block against the same sentence list and against itself, so
@@ -17,13 +17,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shlex
 import subprocess
 import sys
 
 import pytest
 
-from train_support import REPO, read_metrics, train_in_process
+from make_dry_run import make_commands
+from train_support import REPO, compose, read_metrics, train_in_process
 
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
 # What a quiet 2-core machine trains in the demo's 3 minutes (README, "What the demo
@@ -52,13 +52,8 @@ def readme_demo_block() -> str:
 
 def makefile_demo_prep_args() -> list:
     """The bert-prep arguments of the Makefile's `demo` recipe, variables expanded."""
-    with open(os.path.join(REPO, "Makefile"), encoding="utf-8") as f:
-        makefile = f.read()
-    variables = dict(re.findall(r"^(\w+) :?= (.*)$", makefile, re.M))
-    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    [line] = [ln for ln in recipe.splitlines() if "bert-prep" in ln]
-    line = re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), ""), line)
-    return shlex.split(line)[1:]
+    [prep] = [c for c in make_commands("demo") if c[0] == "bert-prep"]
+    return prep[1:]
 
 
 def test_readme_block_asks_the_sentences_of_demo_check():
@@ -76,6 +71,25 @@ def test_readme_block_counts_its_own_answers():
     shown = re.findall(r"^(.*\[MASK\].*)\n  \[MASK\]: (\S+) ", block, re.M)
     assert len(shown) == len(answers) == int(claimed.group(2))
     assert sum(answers[s] == top for s, top in shown) == int(claimed.group(1))
+
+
+def test_the_demo_ends_with_two_of_demo_checks_fill_mask_answers():
+    """`make demo` ends by asking its own model two of the sentences the README shows."""
+    *_, train, predict = make_commands("demo")
+    assert predict[:3] == ["bert-predict", "fill-mask", "runs/demo"]
+    assert compose(train[1:]).run_dir == "runs/demo"
+    asked = [w for w in predict[3:] if "[MASK]" in w]
+    assert len(asked) == 2 and set(asked) <= {s for s, _ in demo_check.SENTENCES}
+
+
+def test_demo_steps_trains_that_many_steps_in_a_run_of_its_own():
+    """`make demo DEMO_STEPS=N` (a busy machine): bounded by steps, not by the 3-minute budget,
+    in runs/demo-N-steps (the 3-minute run stays), and its answers come from that run."""
+    *_, train, predict = make_commands("demo", "DEMO_STEPS=3000")
+    cfg = compose(train[1:])
+    assert cfg.trainer.budget_hours is None and cfg.trainer.max_steps == 3000
+    assert cfg.run_dir == "runs/demo-3000-steps" == predict[2]
+    assert compose(make_commands("demo")[1][1:]).trainer.budget_hours == 0.05
 
 
 def test_replace_block_keeps_the_rest_of_the_readme():

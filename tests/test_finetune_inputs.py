@@ -100,7 +100,7 @@ def test_no_network_is_one_line_that_says_what_to_do(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match=r"cannot load nyu-mll/glue/sst2 from the Hugging Face "
-                                        r"hub .*pass task.data_dir=<GLUE's SST-2 folder"):
+                                        r"hub .*pass data_dir=<a GLUE folder with SST-2/"):
         read_task(TaskConfig(name="sst2"))
 
 
@@ -186,6 +186,12 @@ def _regression(tmp_path, metric, *model):
     ("regression scored by accuracy", "task.metrics: accuracy scores classes; a regression "
                                       "task (task.num_labels=1) is scored by pearson, spearman"),
     ("regression scored by mcc", "task.metrics: mcc scores classes; a regression task"),
+    ("the subset's old key", "task.max_train_samples is now max_train_samples, as in "
+                             "bert-glue: pass max_train_samples=30"),
+    ("the GLUE copy's old key", "task.data_dir is now data_dir, as in bert-glue: pass "
+                                "data_dir=glue_data/SST-2"),
+    ("a GLUE copy for a custom task", "data_dir is where GLUE tasks are read from; task=custom "
+                                      "reads task.train_file"),
 ])
 def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monkeypatch,
                                              capsys):
@@ -210,15 +216,43 @@ def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monk
         "a bert-train setting": lambda: ["data.dir=prepared/x", *model],
         "regression scored by accuracy": lambda: _regression(tmp_path, "accuracy", *model),
         "regression scored by mcc": lambda: _regression(tmp_path, "mcc", *model),
+        "the subset's old key": lambda: ["task.max_train_samples=30", *model],
+        "the GLUE copy's old key": lambda: ["task.data_dir=glue_data/SST-2", *model],
+        "a GLUE copy for a custom task": lambda: _custom(
+            tmp_path, ["text", "label"], [("w1", 0)], "task.text_columns=[text]",
+            f"data_dir={tmp_path}", *model),
     }[case]()
     line = error_line(cli, args, monkeypatch, capsys)
     assert line.startswith("bert-finetune: error: ") and expected in line, line
+
+
+def test_bert_finetune_and_bert_glue_spell_the_subset_and_the_glue_copy_alike(tmp_path):
+    """One spelling for both commands (and bert-train's downstream.*): data_dir (a GLUE folder),
+    max_train_samples, max_eval_samples at the top level; each reaches the task read."""
+    from hydra import compose, initialize_config_dir
+
+    from bert_pretrain.finetune.config import finetune_settings, glue_settings, register
+
+    register()
+    write_glue_task(str(tmp_path), "sst2", n_train=20, n_dev=12)
+    same = [f"data_dir={tmp_path}", "max_train_samples=8", "max_eval_samples=5"]
+    with initialize_config_dir(config_dir=os.path.join(REPO, "conf", "finetune"),
+                               version_base="1.3"):
+        one = finetune_settings(compose("finetune", ["task=sst2", "model=m", *same]))
+        glue = glue_settings(compose("glue", ["models=[m]", "tasks=[sst2]", *same]))
+    assert (one.task.data_dir, one.task.max_train_samples, one.task.max_eval_samples) == \
+        (glue.data_dir, glue.max_train_samples, glue.max_eval_samples) == (str(tmp_path), 8, 5)
+    data = read_task(one.task)  # the GLUE folder, its SST-2/ found, subsets taken
+    assert len(data.train) == 8 and [len(v) for v in data.evals.values()] == [5]
 
 
 @pytest.mark.parametrize("args,expected", [
     (["models=[a]", "tasks=[sst2,foo]"], "tasks: ['foo']: use all, fast"),
     (["models=[a]", "task=sst2"], "did you mean tasks?"),
     (["tasks=fast"], "models is not set"),
+    # a bert-train setting, not 'did you mean data_dir?' (a name that only looks like it)
+    (["models=[a]", "data.dir=prepared/x"], "'data' is a bert-train setting (conf/train/), "
+                                            "not a bert-glue one"),
 ])
 def test_bert_glue_mistakes_are_one_line(args, expected, tmp_path, monkeypatch, capsys):
     from bert_pretrain.finetune import glue

@@ -59,11 +59,11 @@ def test_rates_slower_than_one_per_second_read_as_seconds_per_unit(monkeypatch):
     pipe = io.StringIO()
     bar = progress_bar(10, desc="train", unit="step", stream=pipe, every_s=30)
     clock[0] += 50
-    bar.set_postfix(step=2, loss="4.215")
+    bar.set_postfix(loss="4.215", lr="1.00e-03")
     bar.update(2)  # 2 steps in 50 s
     (line,) = lines_of(pipe)
-    assert line == "train: 2/10 step (20%), 25.00 s/step, 0:50 elapsed, ~3:20 left, step=2, " \
-                   "loss=4.215"
+    assert line == "train: 2/10 step (20%), 25.00 s/step, 0:50 elapsed, ~3:20 left, loss=4.215, " \
+                   "lr=1.00e-03"
 
 
 def test_a_time_bar_shows_times_not_seconds_per_second(monkeypatch):

@@ -49,6 +49,7 @@ import sys
 
 import pytest
 
+from make_dry_run import make_commands
 from time_limits import hang_limit
 from train_support import REPO
 
@@ -251,16 +252,9 @@ def makefile_targets():
 def test_make_demo_runs_the_readme_commands():
     """The README's `make demo` block is the Makefile's demo recipe, command for command."""
     [block] = [b for b in BLOCKS if "make-demo" in b[1]]
-    readme = [line for line in logical_lines(block[2]) if line.strip()]
-    makefile = read(os.path.join(REPO, "Makefile"))
-    variables = dict(re.findall(r"^(\w+) :?= (.*)$", makefile, re.M))
-    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    commands = []
-    for line in recipe.splitlines():
-        line = line.strip().replace("$(VENV)/bin/", "")
-        commands.append(re.sub(r"\$\((\w+)\)", lambda m: variables[m.group(1)], line))
-    # (the shell splits on any run of blanks: a README line continued with `\` is the same)
-    assert [c.split() for c in commands] == [r.split() for r in readme]
+    readme = [shlex.split(line) for line in logical_lines(block[2]) if line.strip()]
+    commands = make_commands("demo")
+    assert commands == readme
 
 
 def test_every_make_target_has_a_help_line():

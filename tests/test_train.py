@@ -96,6 +96,37 @@ def test_user_errors_are_one_line_exit_2(tmp_path, synthetic):
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_a_text_file_as_data_dir_gets_the_bert_prep_command_that_makes_the_folder(tmp_path):
+    """A newcomer's first try, `bert-train data.dir=notes.txt`: the error says it is a text file
+    and gives the bert-prep command that makes the folder bert-train reads; run as given, that
+    command and the bert-train one it names work."""
+    import re
+    import shlex
+
+    words = "the a cat dog sat ran on in mat house tree big red blue old new".split()
+    paragraphs = [" ".join(f"{words[(d + s) % 16].capitalize()} {words[(3 * s + d) % 16]} "
+                           f"{words[(5 * s + 2 * d) % 16]} {words[(7 * d + s) % 16]}."
+                           for s in range(6)) for d in range(24)]
+    (tmp_path / "notes.txt").write_text("\n\n".join(paragraphs) + "\n")
+    r = run_bert_train(["experiment=smoke", "data.dir=notes.txt"], cwd=str(tmp_path))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "data.dir 'notes.txt' is a text file" in r.stderr and "does not exist" not in r.stderr
+    prep, train = re.search(r": (bert-prep .*), then (bert-train \S+)", r.stderr).groups()
+    prep_bin = os.path.join(os.path.dirname(sys.executable), "bert-prep")
+    p = subprocess.run([prep_bin, *shlex.split(prep)[1:], "tokenizer.vocab_size=200",
+                        "max_seq_length=32", "max_predictions_per_seq=5", "progress=false"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=hang_limit())
+    assert p.returncode == 0, p.stderr
+    t = run_bert_train([*shlex.split(train)[1:], "experiment=smoke", "trainer.max_steps=3",
+                        "trainer.progress_bar=false", "run_dir=run"], cwd=str(tmp_path))
+    assert t.returncode == 0, t.stderr[-2000:]
+    # bert-prep's manifest itself: its folder is named
+    manifest = str(tmp_path / "prepared" / "notes" / "manifest.json")
+    with pytest.raises(DataError, match=f"point data.dir at the folder that holds it: "
+                                        f"data.dir={re.escape(os.path.dirname(manifest))}$"):
+        train_in_process(["experiment=smoke", f"data.dir={manifest}"])
+
+
 def test_data_and_model_mismatches_are_refused(tmp_path, synthetic):
     base = ["experiment=smoke", f"data.dir={synthetic}", f"run_dir={tmp_path / 'a'}"]
     with pytest.raises(DataError, match="model.vocab_size=999 but the data .* 64-token"):

@@ -78,6 +78,40 @@ def test_a_resume_with_another_max_steps_names_the_attention_locality_it_jumps_t
     assert "attention locality" not in changed_settings_warning("ckpt", *budget, 30, None)
 
 
+def test_a_resume_with_another_max_steps_names_the_warmup_derived_from_it(tmp_path, synthetic,
+                                                                         capsys):
+    """With trainer.warmup_steps null the warmup is warmup_ratio x max_steps: another max_steps
+    changes it too (100 -> 46 steps for 1,000 -> 460), which no setting on the command line
+    says, so the warning does; a warmup given in steps stays and is not named."""
+    from bert_pretrain.components.resume import changed_settings_warning
+
+    def config(max_steps, warmup_steps=None):
+        return {"trainer": {"max_steps": max_steps, "warmup_steps": warmup_steps,
+                            "warmup_ratio": 0.1},
+                "data": {"masking": "static"}, "optim": {"lr": 1e-3},
+                "scheduler": {"name": "constant"}}
+
+    line = changed_settings_warning("ckpt", config(1000), config(460), 300, 1e-3)
+    assert "trainer.max_steps 1000 -> 460; warmup 100 -> 46 steps (warmup_ratio 0.1 x " \
+           "max_steps)" in line
+    line = changed_settings_warning("ckpt", config(1000, 100), config(460, 100), 300, 1e-3)
+    assert "warmup" not in line
+    # from a derived warmup to one given in steps: the given one is said, and what it replaced
+    line = changed_settings_warning("ckpt", config(1000), config(460, 20), 300, 1e-3)
+    assert "trainer.warmup_steps None -> 20; warmup 100 -> 20 steps" in line
+
+    # A real resume says it, and trains with the new warmup (its start line says which).
+    run = tmp_path / "run"
+    common = base(synthetic, run, "trainer.warmup_steps=null", "trainer.warmup_ratio=0.5")
+    train_in_process([*common, "trainer.max_steps=4"])
+    capsys.readouterr()
+    train_in_process([*common, "trainer.max_steps=8", "resume=auto"])
+    [line] = [ln for ln in capsys.readouterr().err.splitlines() if "changed settings" in ln]
+    assert "trainer.max_steps 4 -> 8; warmup 2 -> 4 steps (warmup_ratio 0.5 x max_steps)" in line
+    [start] = [ln for ln in (run / "train.log").read_text().splitlines() if "resumed from" in ln]
+    assert "; warmup 4 steps;" in start
+
+
 def test_resume_applies_the_new_optimizer_settings(tmp_path, synthetic):
     run = tmp_path / "run"
     train_in_process(base(synthetic, run, "trainer.max_steps=3"))
@@ -216,6 +250,36 @@ def test_console_lines_and_train_log(tmp_path, synthetic):
     # bert-train draws the run's report at the end
     assert f"  report:     {run / 'report' / 'report.md'}" in r.stdout
     assert (run / "report" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("mode", ["steps", "budget"])
+def test_the_progress_line_counts_the_step_once(tmp_path, synthetic, monkeypatch, mode):
+    """The progress line (no terminal: a line each time; here every update) showed the bar's
+    step count beside the last logged step (`25/1,000 step ... step=20`). In step mode the bar's
+    count is the step and says it alone; in budget mode the bar counts seconds and the step
+    beside it is the step just done, not the last logged one."""
+    import io
+
+    import bert_pretrain.components.progress as progress
+
+    shown = io.StringIO()
+    real = progress.progress_bar
+    monkeypatch.setattr(progress, "progress_bar", lambda *a, **k: real(
+        *a, **{**k, "stream": shown, "every_s": 0}))
+    length = ["trainer.budget_hours=1.0", "trainer.warmup_steps=1"] if mode == "budget" else []
+    train_in_process(base(synthetic, tmp_path / "run", "trainer.max_steps=7",
+                          "trainer.log_every=3", "trainer.progress_bar=true", *length))
+    lines = [ln for ln in shown.getvalue().splitlines() if ln.startswith("train: ")][:-1]
+    assert len(lines) == 7  # one per step (the last line, the closing one, is left out)
+    if mode == "steps":
+        assert [ln.split()[1] for ln in lines] == [f"{s}/7" for s in range(1, 8)]
+        assert not any("step=" in ln for ln in lines)
+    else:
+        import re
+
+        assert [int(re.search(r", step=(\d+)", ln).group(1)) for ln in lines] == \
+            list(range(1, 8))
+    assert "loss=" in lines[-1] and "lr=" in lines[-1]  # (the last logged values beside)
 
 
 def test_a_run_that_fails_at_setup_leaves_no_directory(tmp_path, synthetic):

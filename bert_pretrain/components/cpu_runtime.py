@@ -1,6 +1,6 @@
 """Process-wide CPU settings that decide how fast a training step runs, and the precision choice.
 
-Three things, each measured with bench/bench_model.py (README, "Benchmarks"):
+Three things, each measured with bench/bench_model.py (docs/benchmarks.md, "CPU settings"):
 
 - OpenMP threads that wait passively.  torch's intra-op threads meet at a barrier after every
   parallel op; by default a thread that arrives first spins.  On a machine where another

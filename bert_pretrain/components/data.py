@@ -192,6 +192,8 @@ class PreparedData:
     def __init__(self, root: str):
         self.root = root
         manifest_path = os.path.join(root, MANIFEST)
+        if os.path.isfile(root):
+            raise DataError(not_prepared_data(root))
         if not os.path.isdir(root):
             raise DataError(f"data.dir {root!r} does not exist; run bert-prep with "
                             f"output_dir={root} first, or point data.dir at its output")
@@ -272,6 +274,33 @@ class PreparedData:
             raise DataError(f"{vocab_file} has {len(vocab)} tokens but manifest.json says "
                             f"vocab_size={self.vocab_size}; re-run bert-prep")
         return vocab[:self.vocab_size]
+
+
+def not_prepared_data(path: str) -> str:
+    """The error for a data.dir that is a file: bert-train reads the folder bert-prep writes,
+    and a text file is what bert-prep reads, so say how to make one from the other."""
+    folder = os.path.dirname(path) or "."
+    if os.path.basename(path) == MANIFEST:
+        return (f"data.dir {path!r} is bert-prep's {MANIFEST}; point data.dir at the folder "
+                f"that holds it: data.dir={folder}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        import codecs
+
+        codecs.getincrementaldecoder("utf-8")().decode(head)  # (a cut character is no error)
+        text = b"\0" not in head
+    except (OSError, UnicodeDecodeError):
+        text = False
+    if not text:
+        return (f"data.dir {path!r} is a file, not a folder; bert-train reads the folder "
+                f"bert-prep writes ({MANIFEST} and shards): point data.dir at it")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.splitext(os.path.basename(path))[0]) or "text"
+    return (f"data.dir {path!r} is a text file; bert-train reads the folder bert-prep makes from "
+            f"text: bert-prep corpus=documents corpus.document_per=blank_line "
+            f"corpus.paths='[{path}]' output_dir=prepared/{name}, then bert-train "
+            f"data.dir=prepared/{name} (corpus=text instead of corpus=documents "
+            f"corpus.document_per=blank_line if the file is one sentence a line)")
 
 
 def _own_dir(root: str, rel, manifest_path: str) -> str:

@@ -64,7 +64,7 @@ class SchedulerConfig:
     decay_steps: Optional[int] = None
     """wsd: the decay occupies the last decay_steps steps of trainer.max_steps. Counted from the
     end, so decaying a run from any checkpoint S of its stable phase is resuming that checkpoint
-    into a new run_dir with trainer.max_steps=S+decay_steps (README, "Warmup-stable-decay").
+    into a new run_dir with trainer.max_steps=S+decay_steps (docs/recipes.md, "Warmup-stable-decay").
     null: decay_fraction of the steps (and, with trainer.budget_hours, of the time)."""
     decay_fraction: float = 0.2
     """wsd without decay_steps: the decay's share of training, at the end."""

@@ -17,8 +17,8 @@ from ..errors import CheckpointError, ConfigError
 
 # Settings that change the training from the checkpoint on.  Not here: speed-only settings
 # (impl.*, optim.fused, data.pad_to_multiple_of, trainer.micro_batch_size: with the global-batch
-# loss the micro-batch size changes nothing beyond float rounding), and bookkeeping (logging,
-# checkpoint and evaluation intervals, run_dir).
+# loss the micro-batch size changes nothing beyond float rounding, and which dropout masks are
+# drawn), and bookkeeping (logging, checkpoint and evaluation intervals, run_dir).
 RESULT_KEYS = (
     "optim.", "scheduler.", "data.dir", "data.masking", "data.masked_lm_prob",
     "data.train_split", "trainer.max_steps", "trainer.warmup_steps", "trainer.warmup_ratio",
@@ -101,9 +101,32 @@ def check_seed(old: Optional[dict], seed: int, checkpoint: str) -> None:
         )
 
 
-def describe(changes: list, moves: list) -> str:
-    """The changed settings, then what they move at the resume step: (name, step, old, new)."""
+def warmup_change(old: dict, new: dict) -> Optional[str]:
+    """The warmup's change in steps when the settings do not say it themselves: a warmup
+    derived from max_steps (trainer.warmup_ratio x max_steps while warmup_steps is null) moves
+    with max_steps, e.g. 'warmup 100 -> 46 steps (warmup_ratio 0.1 x max_steps)'; else None."""
+    from .trainer_config import TrainerConfig
+
+    try:
+        trainers = [TrainerConfig(**{k: v for k, v in c["trainer"].items()
+                                     if k in TrainerConfig.__dataclass_fields__})
+                    for c in (old, new)]
+    except (KeyError, TypeError, ValueError):  # a checkpoint of an older config layout
+        return None
+    before, after = (t.warmup for t in trainers)
+    if before == after or all(t.warmup_steps is not None for t in trainers):
+        return None  # (two given warmup_steps: the trainer.warmup_steps change says it)
+    derived = trainers[1]
+    return f"warmup {before} -> {after} steps" + (
+        f" (warmup_ratio {derived.warmup_ratio:g} x max_steps)" if derived.warmup_steps is None
+        else "")
+
+
+def describe(changes: list, moves: list, warmup: Optional[str] = None) -> str:
+    """The changed settings, what they derive (`warmup`: warmup_change), then what they move at
+    the resume step: (name, step, old, new)."""
     parts = [f"{key} {old!r} -> {new!r}" for key, old, new in changes]
+    parts += [warmup] if warmup else []
     parts += [f"{name} at step {step}: {before:.3g} -> {after:.3g}"
               for name, step, before, after in moves]
     return "; ".join(parts)
@@ -187,4 +210,4 @@ def changed_settings_warning(checkpoint: str, saved: Optional[dict], resolved: d
     moves = ([("learning rate", *lr)] if lr else []) + \
         progress_moves_at(saved, resolved, step, prep_masking_rate)
     return (f"bert-train: warning: resuming {checkpoint} with changed settings (they apply from "
-            f"step {step} on): {describe(changes, moves)}")
+            f"step {step} on): {describe(changes, moves, warmup_change(saved, resolved))}")

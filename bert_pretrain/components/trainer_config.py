@@ -25,7 +25,9 @@ class TrainerConfig:
     """Samples per optimizer step over all processes."""
     micro_batch_size: Optional[int] = None
     """Samples per forward/backward on one process; null = global / world (no accumulation).
-    Accumulation steps = global / (world x micro). Changes speed and memory, not results."""
+    Accumulation steps = global / (world x micro). Changes speed and memory; results only by
+    float rounding without dropout (dropout masks are drawn per micro-batch, so with dropout on
+    another micro-batch size trains another, equally valid, model)."""
     mixed_precision: str = "auto"
     """auto: bf16 autocast where the hardware has bf16 matrix units (AMX-BF16 / AVX512-BF16 CPUs,
     bf16-capable GPUs), fp32 elsewhere; no (fp32), bf16, or fp16 (with dynamic loss scaling:
@@ -44,7 +46,7 @@ class TrainerConfig:
     plain BERT, and evaluations always score it without the bias (what an export computes).
     From scratch, a BERT predicts only frequent tokens until some head attends to the
     neighbours of a masked token, which takes thousands of steps; this start skips that wait
-    (README, "Learning check"). Training progress counts steps, or time with budget_hours."""
+    (docs/learning-check.md). Training progress counts steps, or time with budget_hours."""
     attention_locality_hold: float = 0.2
     attention_locality_end: float = 0.45
     attention_locality_heads: float = 1.0

@@ -8,6 +8,7 @@ bookkeeping (`trainer`, `impl`), as in bert-train.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -18,7 +19,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ..errors import ConfigError
 from ..components.trainer_config import MIXED_PRECISION
-from .tasks import TaskConfig, resolve_tasks
+from .tasks import CUSTOM, SUBSET_KEYS, TaskConfig, resolve_tasks
 
 INITS = ("pretrained", "random")
 SAVE_MODEL = ("best", "all", "none")
@@ -79,7 +80,10 @@ class RecipeConfig:
 
 @dataclass
 class FinetuneTrainerConfig:
-    """`trainer`: how the fine-tunes run (speed and bookkeeping; results stay the same)."""
+    """`trainer`: how the fine-tunes run: speed and bookkeeping, not part of what a results
+    folder is of (identity.py). Results stay the same but for mixed_precision (bf16 or fp16
+    round differently from fp32, as in bert-train) and, with dropout, micro_batch_size (masks
+    are drawn per micro-batch)."""
 
     micro_batch_size: Optional[int] = None
     """Examples per forward/backward on one process; null = batch_size / processes."""
@@ -123,6 +127,15 @@ class FinetuneConfig:
     trainer: FinetuneTrainerConfig = field(default_factory=FinetuneTrainerConfig)
     impl: Any = field(default_factory=dict)
     """ModelImpl speed switches, as bert-train's impl group (unpad, varlen_attention, ...)."""
+    data_dir: Optional[str] = None
+    """A GLUE task's local copy: a GLUE folder (SST-2/, ... as GLUE's download script writes
+    them, or save_to_disk folders named by task), as bert-glue's data_dir, or the task's own
+    folder; null = the Hugging Face hub."""
+    max_train_samples: Optional[int] = None
+    """Fine-tune on a fixed random subset of this many training examples (the same for every
+    seed, learning rate and model), as bert-glue's max_train_samples; null = all."""
+    max_eval_samples: Optional[int] = None
+    """Score on the first N examples of each evaluation split; null = all."""
     model: str = MISSING
     """A bert-train run directory (its newest valid checkpoint), a checkpoint, a bert-export
     directory or any transformers BERT directory."""
@@ -150,7 +163,7 @@ class GlueConfig:
     controls: bool = False
     """Also fine-tune each model from random initialisation (same architecture, tokenizer)."""
     max_train_samples: Optional[int] = None
-    """Per task, as task.max_train_samples (a fixed subset; null = all)."""
+    """Per task, as bert-finetune's max_train_samples (a fixed subset; null = all)."""
     max_eval_samples: Optional[int] = None
     recipe: RecipeConfig = field(default_factory=RecipeConfig)
     trainer: FinetuneTrainerConfig = field(default_factory=FinetuneTrainerConfig)
@@ -225,6 +238,23 @@ class FinetuneSettings:
     out_dir: str
 
 
+def _subset(cfg: DictConfig) -> dict:
+    """The top-level data_dir, max_train_samples and max_eval_samples (bert-finetune and
+    bert-glue spell them alike), checked."""
+    import os
+
+    for key in ("max_train_samples", "max_eval_samples"):
+        if cfg[key] is not None and cfg[key] < 1:
+            raise ConfigError(f"{key} must be >= 1 or null, got {cfg[key]}")
+    data_dir = cfg.data_dir
+    if data_dir is not None and not os.path.isdir(str(data_dir)):
+        raise ConfigError(f"data_dir {data_dir}: no such directory (a GLUE folder with CoLA/, "
+                          f"SST-2/, ...; null = the hub)")
+    return {"data_dir": None if data_dir is None else str(data_dir),
+            "max_train_samples": cfg.max_train_samples,
+            "max_eval_samples": cfg.max_eval_samples}
+
+
 def finetune_settings(cfg: DictConfig) -> FinetuneSettings:
     """Validate bert-finetune's composed config; every problem is a one-line ConfigError."""
     model = str(_required(cfg, "model", "<run dir | checkpoint | bert-export or transformers "
@@ -232,7 +262,17 @@ def finetune_settings(cfg: DictConfig) -> FinetuneSettings:
     _finite("config", OmegaConf.to_container(cfg, resolve=True))
     if cfg.init not in INITS:
         raise ConfigError(f"init must be one of {', '.join(INITS)}, got {cfg.init!r}")
-    return FinetuneSettings(typed(cfg, "task", TaskConfig), typed(cfg, "recipe", RecipeConfig),
+    for key in SUBSET_KEYS:  # (their spelling before bert-finetune and bert-glue shared one)
+        if cfg.task.get(key) is not None:
+            raise ConfigError(f"task.{key} is now {key}, as in bert-glue: pass "
+                              f"{key}={cfg.task[key]}")
+    subset = _subset(cfg)
+    task = typed(cfg, "task", TaskConfig)
+    if task.name == CUSTOM and subset["data_dir"] is not None:
+        raise ConfigError("data_dir is where GLUE tasks are read from; task=custom reads "
+                          "task.train_file and task.validation_file")
+    return FinetuneSettings(dataclasses.replace(task, **subset),
+                            typed(cfg, "recipe", RecipeConfig),
                             typed(cfg, "trainer", FinetuneTrainerConfig), _impl(cfg), model,
                             str(cfg.init), str(cfg.out_dir))
 
@@ -254,8 +294,6 @@ class GlueSettings:
 
 def glue_settings(cfg: DictConfig) -> GlueSettings:
     """Validate bert-glue's composed config (one-line ConfigErrors)."""
-    import os
-
     models = list(_required(cfg, "models", "[<model>, ...]"))
     _finite("config", OmegaConf.to_container(cfg, resolve=True))
     if not models:
@@ -271,16 +309,10 @@ def glue_settings(cfg: DictConfig) -> GlueSettings:
         raise ConfigError(f"labels has {len(labels)} names for {len(models)} models")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"two models have the same label ({labels}); pass labels=[...]")
-    for key in ("max_train_samples", "max_eval_samples"):
-        if cfg[key] is not None and cfg[key] < 1:
-            raise ConfigError(f"{key} must be >= 1 or null, got {cfg[key]}")
-    data_dir = cfg.data_dir
-    if data_dir is not None and not os.path.isdir(str(data_dir)):
-        raise ConfigError(f"data_dir {data_dir}: no such directory (a GLUE folder with CoLA/, "
-                          f"SST-2/, ...; null = the hub)")
+    subset = _subset(cfg)
     return GlueSettings([str(m) for m in models], [str(x) for x in labels], tasks,
-                        None if data_dir is None else str(data_dir), bool(cfg.controls),
-                        cfg.max_train_samples, cfg.max_eval_samples,
+                        subset["data_dir"], bool(cfg.controls),
+                        subset["max_train_samples"], subset["max_eval_samples"],
                         typed(cfg, "recipe", RecipeConfig),
                         typed(cfg, "trainer", FinetuneTrainerConfig), _impl(cfg),
                         str(cfg.out_dir))

@@ -95,8 +95,9 @@ def _read_glue(cfg: TaskConfig) -> TaskData:
 def _task_folder(where: str, task: GlueTask) -> str:
     """The task's own folder, or its sub-folder of a GLUE root (GLUE's name or the hub's)."""
     if not os.path.isdir(where):
-        raise DataError(f"task.data_dir {where}: no such directory; pass GLUE's {task.title} "
-                        f"folder (train.tsv, dev.tsv) or a datasets save_to_disk folder")
+        raise DataError(f"data_dir {where}: no such directory; pass a GLUE folder (with "
+                        f"{task.title}/), GLUE's {task.title} folder (train.tsv, dev.tsv) or a "
+                        f"datasets save_to_disk folder")
     for candidate in (where, os.path.join(where, task.title), os.path.join(where, task.name)):
         if os.path.isfile(os.path.join(candidate, "train.tsv")) or \
                 os.path.isfile(os.path.join(candidate, "dataset_dict.json")):
@@ -119,8 +120,8 @@ def _from_hub(task: GlueTask) -> dict:
     except Exception as exc:  # no network, a proxy, a renamed dataset: one line, a way out
         reason = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"cannot load {HUB_DATASET}/{task.name} from the Hugging Face hub "
-                        f"({reason[:200]}); without a network pass task.data_dir=<GLUE's "
-                        f"{task.title} folder (train.tsv, dev.tsv) or a save_to_disk folder>") \
+                        f"({reason[:200]}); without a network pass data_dir=<a GLUE folder "
+                        f"with {task.title}/ (train.tsv, dev.tsv) or save_to_disk folders>") \
             from None
     finally:
         hub_log.setLevel(level)

@@ -73,6 +73,11 @@ NOT_AVERAGED = ("wnli",)
 CUSTOM = "custom"
 
 
+# Where the examples come from and how many are used: top-level keys of bert-finetune and
+# bert-glue alike (bert-train's downstream.* too), copied into TaskConfig by their settings.
+SUBSET_KEYS = ("data_dir", "max_train_samples", "max_eval_samples")
+
+
 @dataclass
 class TaskConfig:
     """`conf/finetune/task/`: what to fine-tune on."""
@@ -80,9 +85,11 @@ class TaskConfig:
     name: str = "???"
     """A GLUE task (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli) or custom (files)."""
     data_dir: Optional[str] = None
-    """GLUE tasks: a local copy, either GLUE's folder for the task (train.tsv, dev.tsv, as
-    GLUE's download script writes them) or a `datasets` save_to_disk folder; null = the
-    Hugging Face hub (nyu-mll/glue, needs a network)."""
+    """GLUE tasks: a local copy, either a GLUE folder holding the task's (SST-2/, ...) or the
+    task's own folder (train.tsv, dev.tsv, as GLUE's download script writes them), each also as
+    a `datasets` save_to_disk folder; null = the Hugging Face hub (nyu-mll/glue, needs a
+    network). Users set it as bert-finetune's and bert-glue's top-level `data_dir` (SUBSET_KEYS);
+    this and the two below are not keys of the task group."""
     train_file: Optional[str] = None
     """custom: the training examples (.csv, .tsv, or .jsonl / .json with one object a line)."""
     validation_file: Optional[str] = None
@@ -118,7 +125,7 @@ class TaskConfig:
         for key in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, key)
             if value is not None and value < 1:
-                raise ValueError(f"task.{key} must be >= 1 or null, got {value}")
+                raise ValueError(f"{key} must be >= 1 or null, got {value}")
         if self.name != CUSTOM:
             return
         for key in ("train_file", "validation_file"):

@@ -130,7 +130,7 @@ class BertForPreTraining(nn.Module):
         scratch spends its first thousands of steps predicting only frequent tokens, because no
         head attends to the neighbours a masked token is read from until attention and values
         have learned it together; a local start breaks that tie, and once the bias is faded out
-        the weights are a plain BERT's (README, "Learning check").  Not saved in checkpoints:
+        the weights are a plain BERT's (docs/learning-check.md).  Not saved in checkpoints:
         the trainer sets it each step."""
         tensor = None
         if slopes is not None and any(float(x) != 0.0 for x in slopes):

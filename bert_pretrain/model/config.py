@@ -196,12 +196,12 @@ class ModelImpl:
     (fused kernels on GPU); eager: the explicit softmax(QK^T)V path (always used when attention
     maps are requested). On CPU, SDPA without dropout runs its flash kernel, which in bf16 made
     whole training steps 1.16-1.21x slower than the explicit path (BERT-mini/base, seq 128/512)
-    and gained nothing in fp32 (README, "Benchmarks")."""
+    and gained nothing in fp32 (docs/benchmarks.md)."""
 
     compile: bool = False
     """torch.compile the model (inductor) in bert-train and bert-finetune: the first steps
     compile (tens of seconds; again whenever the shapes change in ways it has not seen), later
-    ones run fused kernels. README "Speed switches" says when it pays."""
+    ones run fused kernels. docs/gpu.md ("torch.compile") says when it pays."""
 
     def __post_init__(self) -> None:
         if isinstance(self.varlen_attention, bool):
@@ -224,7 +224,7 @@ class ModelImpl:
     def resolved_varlen_attention(self, device_type: str) -> str:
         """What `varlen_attention` does on a device type ("cpu", "cuda", ...): `auto` is
         `groups` on CPUs, where they were 1.05-1.3x faster than the padded grid at batch 8-32
-        (2 cores, README "Benchmarks"), and `off` elsewhere: on an H100 the padded grid with
+        (2 cores, docs/benchmarks.md), and `off` elsewhere: on an H100 the padded grid with
         SDPA's fused kernels was 6x faster than the groups (BERT-base b256 L128, 0.086 vs
         0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` was not
         measured on a GPU yet; bench/gpu_check.py does."""

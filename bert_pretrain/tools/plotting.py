@@ -9,6 +9,7 @@ a log axis where positive values span a decade or more, labels kept inside the f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -33,9 +34,15 @@ def save(fig, path: str) -> str:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.png")
-    fig.savefig(tmp, dpi=DPI)
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=DPI)
+        os.replace(tmp, path)
+    except BaseException:  # (the picture that was there stays; no half-written one is left)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return path
 
 

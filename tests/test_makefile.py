@@ -1,0 +1,94 @@
+"""The Makefile's install steps: `make demo` installs the project, the test targets add the test
+extras, and each is done once and again only when pyproject.toml changes, in whichever order the
+targets run. Run with a stand-in .venv whose python and console scripts only log their
+arguments, so that make's own decisions are what is tested, in milliseconds."""
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+
+import pytest
+
+from train_support import REPO
+
+LOGGER = """#!/bin/sh
+echo "$(basename "$0") $*" >> "$(dirname "$0")/../calls.log"
+"""
+TORCH = ["TORCH_SPEC=torch==2.13.0", "TORCH_INDEX="]  # the defaults, whatever the environment says
+
+
+@pytest.fixture
+def checkout(tmp_path):
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "bert-prep", "bert-train", "bert-predict"):
+        (bin_dir / name).write_text(LOGGER)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    return tmp_path
+
+
+def run_make(checkout, *args) -> str:
+    """Run make (from a clean environment: no outer make's flags); its standard output."""
+    r = subprocess.run(["make", "--no-print-directory", *args, *TORCH], cwd=checkout,
+                       capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def make(checkout, *args) -> list:
+    """Run make; the calls it made through .venv/bin."""
+    log = checkout / ".venv" / "calls.log"
+    log.unlink(missing_ok=True)
+    run_make(checkout, *args)
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def pip_installs(calls) -> list:
+    return [c.split("install", 1)[1].strip() for c in calls if c.startswith("python -m pip install")
+            and "--upgrade pip" not in c]
+
+
+def age(checkout, *names, seconds=100):
+    past = time.time() - seconds
+    for name in names:
+        os.utime(checkout / name, (past, past))
+
+
+def test_demo_installs_the_project_without_the_test_extras_and_test_adds_them(checkout):
+    assert pip_installs(make(checkout, "install")) == ['torch==2.13.0', "-e ."]
+    calls = make(checkout, "demo")
+    assert pip_installs(calls) == []
+    assert [c.split()[0] for c in calls] == ["bert-prep", "bert-train", "bert-predict"]
+    calls = make(checkout, "test")
+    assert pip_installs(calls) == ['-e .[test]'] and calls[-1].startswith("python -m pytest")
+    assert pip_installs(make(checkout, "test")) == []  # done once
+    assert pip_installs(make(checkout, "demo")) == []
+
+
+def test_test_first_installs_the_project_then_the_extras(checkout):
+    assert pip_installs(make(checkout, "test-slow")) == ['torch==2.13.0', "-e .",
+                                                         '-e .[test]']
+    assert pip_installs(make(checkout, "demo")) == []
+
+
+def test_a_changed_pyproject_reinstalls_what_each_target_needs(checkout):
+    make(checkout, "install-test")
+    age(checkout, ".venv/.installed", ".venv/.installed-test")
+    os.utime(checkout / "pyproject.toml")  # edited now
+    assert pip_installs(make(checkout, "demo")) == ['torch==2.13.0', "-e ."]
+    # the base install was redone since the extras were added: they are added again
+    assert pip_installs(make(checkout, "test")) == ['-e .[test]']
+    assert pip_installs(make(checkout, "test")) == []
+
+
+def test_the_demo_says_what_it_installs_and_pip_is_not_quiet(checkout):
+    out = run_make(checkout, "install-test")
+    assert "190 MB download" in out and "~1.0 GB installed" in out and "~130 MB" in out
+    installs = [line for line in out.splitlines() if " -m pip install" in line
+                and "--upgrade pip" not in line]
+    assert len(installs) == 3 and not any(" -q" in line for line in installs)
