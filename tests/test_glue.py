@@ -78,6 +78,11 @@ def test_downstream_score_of_a_finished_run(run, glue_dir, tmp_path, monkeypatch
     assert scores == {"downstream_sst2": glue["models"][0]["tasks"]["sst2"]["score"],
                       "downstream_score": glue["models"][0]["tasks"]["sst2"]["score"]}
     assert glue["processes"] == 1 and scores["downstream_score"] >= 0.75
+    said = []  # the same again reads the finished scores back, and says so
+    assert downstream_score(os.path.join(run, "checkpoints", "step-00000020"), cfg, out,
+                            log=said.append) == scores
+    assert any("reading back the finished fine-tunes" in line for line in said), said
+    assert not any("downstream: fine-tuning" in line for line in said), said
     assert DownstreamConfig().enabled is False and downstream_score(run, DownstreamConfig(),
                                                                     out) == {}
     with pytest.raises(ValueError, match="use all, fast"):

@@ -255,6 +255,16 @@ def _subset(cfg: DictConfig) -> dict:
             "max_eval_samples": cfg.max_eval_samples}
 
 
+def check_spellings(cfg: DictConfig) -> None:
+    """Refuse bert-finetune's old spellings of the subset keys (task.data_dir, ... before
+    bert-finetune and bert-glue shared one), which compose but are not read: a ConfigError
+    naming the key to use.  Needs only the composed config (the README check calls it too)."""
+    for key in SUBSET_KEYS:
+        if cfg.task.get(key) is not None:
+            raise ConfigError(f"task.{key} is now {key}, as in bert-glue: pass "
+                              f"{key}={cfg.task[key]}")
+
+
 def finetune_settings(cfg: DictConfig) -> FinetuneSettings:
     """Validate bert-finetune's composed config; every problem is a one-line ConfigError."""
     model = str(_required(cfg, "model", "<run dir | checkpoint | bert-export or transformers "
@@ -262,10 +272,7 @@ def finetune_settings(cfg: DictConfig) -> FinetuneSettings:
     _finite("config", OmegaConf.to_container(cfg, resolve=True))
     if cfg.init not in INITS:
         raise ConfigError(f"init must be one of {', '.join(INITS)}, got {cfg.init!r}")
-    for key in SUBSET_KEYS:  # (their spelling before bert-finetune and bert-glue shared one)
-        if cfg.task.get(key) is not None:
-            raise ConfigError(f"task.{key} is now {key}, as in bert-glue: pass "
-                              f"{key}={cfg.task[key]}")
+    check_spellings(cfg)
     subset = _subset(cfg)
     task = typed(cfg, "task", TaskConfig)
     if task.name == CUSTOM and subset["data_dir"] is not None:

@@ -100,8 +100,14 @@ def downstream_score(checkpoint: str, cfg: DownstreamConfig, out_dir: str,
                     lambda m: log(f"bert-train: downstream: {m}"))
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
     cmd = glue_command(checkpoint, cfg, out_dir)
-    log(f"bert-train: downstream: fine-tuning {checkpoint} on {cfg.tasks} (output in "
-        f"{out_dir})")
+    # A glue.json in a folder that holds this identity is this checkpoint's finished scores:
+    # bert-glue reads them back instead of fine-tuning again, and the line says which it does.
+    if os.path.isfile(os.path.join(out_dir, "glue.json")):
+        log(f"bert-train: downstream: reading back the finished fine-tunes of {checkpoint} on "
+            f"{cfg.tasks} (in {out_dir})")
+    else:
+        log(f"bert-train: downstream: fine-tuning {checkpoint} on {cfg.tasks} (output in "
+            f"{out_dir})")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
