@@ -289,7 +289,9 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
     if args.variants is not None:  # one at a time off (or on) from the default
         names += [v for v, switches in VARIANTS.items()
                   if v != "ours" and (not args.variants or v in args.variants)
-                  and set(switches) <= IMPL_FIELDS]
+                  and set(switches) <= IMPL_FIELDS
+                  # (compiling takes a minute: only when named, or with --compile)
+                  and (v != "ours-compile" or args.variants)]
     if args.compile and "ours-compile" not in names:
         names.append("ours-compile")
     baseline = None
@@ -312,7 +314,8 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
             preset=preset, batch_size=batch_size, seq_len=seq_len, dtype=dtype_name,
             model=name, median_step_s=t, step_times_s=times[name],
             median_cpu_s=cpu, cpu_times_s=cpu_times[name],
-            tokens_per_s=mean_tokens / t, speedup_vs_transformers=base / t,
+            tokens_per_s=mean_tokens / t, mean_real_tokens=mean_tokens,
+            speedup_vs_transformers=base / t,
             cpu_speedup_vs_transformers=base_cpu / cpu,
             useful_tflops_per_step=mean_flops / 1e12,
             mfu=mean_flops / t / peaks[dtype_name],

@@ -61,6 +61,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _skip_cuda_tests(config, items) -> None:
+    """Without --cuda the cuda tests are skipped; with it, every other test is (it asserts CPU
+    results and would now see the GPU: --cuda runs the GPU tests only)."""
+    if config.getoption("--cuda"):
+        cpu_only = pytest.mark.skip(reason="a CPU test: run without --cuda (the GPU stays "
+                                           "hidden then)")
+        for item in items:
+            if not item.get_closest_marker("cuda"):
+                item.add_marker(cpu_only)
     reason = None
     if not config.getoption("--cuda"):
         reason = "a GPU test: run with --cuda on a GPU machine (make test-cuda)"

@@ -392,7 +392,8 @@ def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
     train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
                           "trainer.checkpoint_every=1", "impl.varlen_attention=nested",
                           "impl.attention=sdpa"))
-    assert "varlen_attention=nested, attention=sdpa," in (run_dir / "train.log").read_text()
+    assert "varlen_attention=nested, attention=sdpa (nested tensors)," in \
+        (run_dir / "train.log").read_text()
 
 
 def test_resolve_precision_keeps_explicit_settings():

@@ -289,6 +289,23 @@ def test_auto_picks_per_device(device, expected):
     assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
 
 
+@pytest.mark.parametrize("attention,device,dropout,expected", [
+    ("sdpa", "cpu", True, "eager"), ("sdpa", "cpu", False, "sdpa"), ("sdpa", "cuda", True, "sdpa"),
+    ("auto", "cpu", False, "eager"), ("eager", "cuda", False, "eager")])
+def test_the_start_line_names_the_attention_the_layers_run(attention, device, dropout,
+                                                           expected):
+    """One rule (ModelImpl.resolved_attention) for the path the layers take and the start-up
+    line: `sdpa` with dropout on a CPU runs the explicit product (SDPA's dropout is unfused
+    there), and the line says so instead of `sdpa`."""
+    impl = ModelImpl(attention=attention)
+    assert impl.resolved_attention(device, dropout) == expected
+    assert f"attention={expected}" in impl.describe(device, dropout)
+    cfg = tiny_config(attention_probs_dropout_prob=0.1 if dropout else 0.0)
+    model = BertForPreTraining(cfg, impl).train()
+    layer = model.bert.encoder.layer[0].attention.self
+    assert layer._explicit(False, torch.device(device)) == (expected == "eager")
+
+
 def test_auto_on_cpu_runs_the_groups():
     cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     _, on = twins(cfg, "auto")

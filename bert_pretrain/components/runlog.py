@@ -57,6 +57,12 @@ def close_run_log() -> None:
 
 
 # ------------------------------------------------------------------------------ what a run says
+def _attention_dropout(t) -> bool:
+    """Whether the model trains with attention dropout (it decides the CPU attention path)."""
+    config = getattr(t.raw_model, "config", None)
+    return getattr(config, "attention_probs_dropout_prob", 0.0) > 0
+
+
 def start_lines(t) -> list:
     """What bert-train says as trainer `t` starts: the model, data, processes and batches, then
     the precision and CPU settings with the reason for each."""
@@ -79,7 +85,7 @@ def start_lines(t) -> list:
     impl = getattr(t.raw_model, "impl", None)  # (a benchmark may train another model class)
     if impl is not None:
         lines.append(f"bert-train: speed switches on {t.accelerator.device.type}: "
-                     f"{impl.describe(t.accelerator.device.type)}")
+                     f"{impl.describe(t.accelerator.device.type, _attention_dropout(t))}")
     if not cfg.next_sentence_prediction:
         lines.append("bert-train: MLM only (no NSP head"
                      + (": the data has no sentence pairs)" if not t.data.has_nsp else

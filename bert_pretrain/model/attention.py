@@ -35,7 +35,6 @@ class BertSelfAttention(nn.Module):
         self.hidden_size = config.hidden_size
         self.dropout_prob = config.attention_probs_dropout_prob
         self.fused_qkv = impl.fused_qkv
-        self.attention_impl = impl.attention
         self.fast_dropout = impl.fast_dropout
         self.impl = impl
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
@@ -140,15 +139,10 @@ class BertSelfAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
 
     def _explicit(self, output_attentions: bool, device: torch.device) -> bool:
-        if output_attentions or self.attention_impl == "eager":
-            return True
-        if device.type != "cpu":
-            return False
-        # CPU: `auto` takes the explicit path (faster, see the module docstring); even with
-        # `sdpa`, SDPA with dropout runs the unfused math path, so the explicit path does the
-        # same work with the cheaper dropout (and one fewer pass for the mask).
-        dropout_p = self.dropout_prob if self.training else 0.0
-        return self.attention_impl == "auto" or (dropout_p > 0 and self.fast_dropout)
+        # (ModelImpl.resolved_attention: the one rule, which the start-up line says too)
+        dropout = self.training and self.dropout_prob > 0
+        return output_attentions or \
+            self.impl.resolved_attention(device.type, dropout) == "eager"
 
     def _forward_groups(self, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """Attention on real tokens only: each length group on its own grid (TokenLayout)."""
@@ -232,22 +226,26 @@ class BertSelfAttention(nn.Module):
 class _quiet_nested:
     """On CPU, SDPA on nested tensors runs a reference path that converts them to torch's
     older nested layout and warns that it is a prototype (and torch.fx logs a notice the first
-    time): neither says anything the user can act on."""
+    time): neither says anything the user can act on.  Elsewhere it does nothing: entering
+    warnings.catch_warnings in every layer of every step would cost time and reset Python's
+    record of warnings already shown, so that any warning of the loop repeated every step."""
 
     def __init__(self, device: torch.device):
         self.cpu = device.type == "cpu"
 
     def __enter__(self):
+        if not self.cpu:
+            return self
         self.fx_log = logging.getLogger("torch.fx._symbolic_trace")
         self.level = self.fx_log.level
         self.fx_log.setLevel(logging.ERROR)
         self.warnings = warnings.catch_warnings()
         self.warnings.__enter__()
-        if self.cpu:
-            warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
+        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
         return self
 
     def __exit__(self, *exc):
-        self.warnings.__exit__(*exc)
-        self.fx_log.setLevel(self.level)
+        if self.cpu:
+            self.warnings.__exit__(*exc)
+            self.fx_log.setLevel(self.level)
         return False

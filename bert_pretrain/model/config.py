@@ -234,19 +234,37 @@ class ModelImpl:
             return self.varlen_attention
         return "groups" if device_type == "cpu" else "off"
 
-    def describe(self, device_type: str) -> str:
-        """The switches as they act on `device_type`, for the run's start-up line."""
+    def resolved_attention(self, device_type: str, dropout: bool = True) -> str:
+        """The attention product `attention` runs on a device type while training with
+        (`dropout`) or without attention dropout: "eager" or "sdpa".  `auto` is eager on CPUs
+        (faster there, see `attention`) and sdpa elsewhere; on a CPU even `sdpa` runs eager
+        when there is dropout and fast_dropout is on, because SDPA with dropout runs its unfused
+        math path there: the explicit product does the same work with the cheaper dropout."""
+        if self.attention == "eager":
+            return "eager"
+        if device_type != "cpu":
+            return "sdpa"
+        if self.attention == "auto" or (dropout and self.fast_dropout):
+            return "eager"
+        return "sdpa"
+
+    def describe(self, device_type: str, dropout: bool = True) -> str:
+        """The switches as they act on `device_type` (training with attention dropout or
+        not), for the run's start-up line."""
         varlen = self.resolved_varlen_attention(device_type)
-        attention = self.attention
-        if attention == "auto":
-            attention = "eager" if device_type == "cpu" else "sdpa"
+        # nested tensors are always attended by SDPA (`attention` acts on the other grids)
+        attention = "sdpa" if varlen == "nested" else \
+            self.resolved_attention(device_type, dropout)
         parts = [
             "unpadded" if self.unpad else "padded",
             f"varlen_attention={varlen}"
             + (f" (auto on {device_type})" if self.varlen_attention == "auto" and self.unpad
                else ""),
-            f"attention={attention}" + (f" (auto on {device_type})"
-                                        if self.attention == "auto" else ""),
+            f"attention={attention}" + (" (nested tensors)" if varlen == "nested"
+                                        else f" (auto on {device_type})"
+                                        if self.attention == "auto"
+                                        else " (with dropout on cpu)"
+                                        if attention != self.attention else ""),
             "sparse prediction" + (" + last layer" if self.sparse_last_layer else "")
             if self.sparse_prediction else "dense prediction",
         ]
