@@ -155,6 +155,8 @@ def test_a_save_killed_at_any_point_is_found_by_resume_auto(scenario, model, tmp
         line = manager.current_line()
         assert line[-1] == ckpt.step_dir_name(step + 1) and line[-2:-1] == \
             ([expected] if expected else []), (scenario, at, line)
+        # invariant 1: each names the previous one as its parent (a re-save not itself)
+        assert [manager.chain.parent_of(n) for n in line[1:]] == line[:-1], (scenario, at)
 
 
 def test_the_first_save_after_a_resume_from_another_run_is_found_without_the_pointer(model,
@@ -192,3 +194,19 @@ def test_repair_keeps_a_users_own_folders(model, tmp_path):
     assert os.path.basename(found) == "step-00000002" and moved == []
     assert ckpt.verify_checkpoint(os.path.join(root, "step-00000002.old"))["step"] == 2
     assert open(os.path.join(root, "notes.old", "todo.txt")).read() == "keep me\n"
+
+
+def test_an_earlier_versions_interrupted_resave_is_said_not_moved(model, tmp_path):
+    """Before .old-step-N a killed re-save left step-N.old alone: resume=auto names it (it may
+    be the only copy) and leaves it, as it leaves a user's backup."""
+    run = str(tmp_path / "run")
+    manager = cm.CheckpointManager(run)
+    for step in (1, 2):
+        _save(manager, step, model)
+    root = cm.checkpoints_root(run)
+    os.rename(os.path.join(root, "step-00000002"), os.path.join(root, "step-00000002.old"))
+    said = []
+    manager = cm.CheckpointManager(run, warn=said.append)
+    manager.repair()
+    assert any("step-00000002.old has no step-00000002 beside it" in line for line in said), said
+    assert os.path.isdir(os.path.join(root, "step-00000002.old"))

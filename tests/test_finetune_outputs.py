@@ -97,7 +97,8 @@ def test_the_kept_model_is_the_reported_median_after_a_rerun_with_other_seeds(ru
     again = finetune_in_process([*common, f"recipe.seeds=[{seeds[0]},{seeds[1]}]",
                                  f"out_dir={out}"])
     median = median_run(again)["seed"]
-    assert median != dropped and again["model_dir"] == str(out / "model")
+    assert again["model_dir"] == str(out / "model")
+    assert not _same(_weights(out / "model"), first_kept)  # the kept model is a new seed's
     alone = finetune_in_process([*common, f"recipe.seeds=[{median}]",
                                  f"out_dir={tmp_path / 'alone'}"])
     assert _same(_weights(out / "model"), _weights(alone["model_dir"]))
@@ -130,6 +131,11 @@ def test_other_settings_are_written_beside_and_the_same_settings_reuse(run, task
     assert finetune_in_process(base)["grid"] == first["grid"]
     assert finetune_in_process([*base, "recipe.max_length=24"])["out_dir"] == \
         str(tmp_path / "out-2")
+    # another precision rounds its own way: not the fp32 results read back under its name
+    monkeypatch.undo()
+    bf16 = finetune_in_process([*base, "trainer.mixed_precision=bf16"])
+    assert bf16["out_dir"] == str(tmp_path / "out-3") and bf16["precision"] == "bf16"
+    assert "(precision differ)" in capsys.readouterr().out
 
 
 # --------------------------------------------------------------------------- the summary
@@ -205,6 +211,9 @@ def test_claim_reuses_only_the_same_identity_and_writes_others_beside(tmp_path):
     assert sorted(os.listdir(tmp_path / "mine")) == ["notes.txt"]
     (tmp_path / "hydra" / ".hydra").mkdir(parents=True)
     assert claim(str(tmp_path / "hydra"), a) == str(tmp_path / "hydra")
+    (tmp_path / "killed").mkdir()  # an identity.json whose writing was killed: nothing held
+    (tmp_path / "killed" / f"{IDENTITY_FILE}.tmp-4242").write_text("{")
+    assert claim(str(tmp_path / "killed"), a) == str(tmp_path / "killed")
 
 
 def test_the_one_copy_every_export_makes_takes_regular_files_only(tmp_path):
@@ -226,6 +235,50 @@ def test_the_one_copy_every_export_makes_takes_regular_files_only(tmp_path):
         ckpt.refusal(str(src), "tokenizer.json")
     with pytest.raises(FileExistsError):  # never over a file already there
         ckpt.copy_own_files(str(src), ["vocab.txt"], str(dest))
+
+
+def test_a_hub_cache_snapshot_ships_its_own_files_through_their_links(tmp_path):
+    """A downloaded model's snapshot folder holds only links into its repository's blobs/:
+    those are its own files and are copied; a link out of the repository still is not."""
+    from bert_pretrain.components import checkpoint as ckpt
+
+    repo = tmp_path / "hub" / "models--org--bert"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    (blobs / "f00d").write_text("[PAD]\n[UNK]\n")
+    os.symlink("../../blobs/f00d", snapshot / "vocab.txt")
+    (tmp_path / "private").write_text("PRIVATE\n")
+    os.symlink(tmp_path / "private", snapshot / "special_tokens_map.json")
+    names = ["vocab.txt", "special_tokens_map.json"]
+    assert ckpt.own_files(str(snapshot), names) == (["vocab.txt"], ["special_tokens_map.json"])
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    assert ckpt.copy_own_files(str(snapshot), names, str(dest)) == ["vocab.txt"]
+    assert (dest / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
+    assert not (dest / "vocab.txt").is_symlink()
+    # a link that stays inside an ordinary folder is that folder's file too
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "v.txt").write_text("x\n")
+    os.symlink("v.txt", tmp_path / "plain" / "vocab.txt")
+    assert ckpt.own_files(str(tmp_path / "plain"), ["vocab.txt"]) == (["vocab.txt"], [])
+
+
+def test_a_model_whose_tokenizer_is_all_links_out_is_refused_in_one_line(run, tmp_path):
+    """Fine-tuned through its links, what it ships would have no tokenizer: refused up front."""
+    from bert_pretrain.errors import CheckpointError
+    from bert_pretrain.tools.export import export
+    from bert_pretrain.tools.model_loading import load_model
+
+    exported = tmp_path / "exported"
+    export(run, str(exported))
+    for name in ("vocab.txt", "tokenizer.json"):
+        if (exported / name).exists():
+            moved = tmp_path / f"elsewhere-{name}"
+            (exported / name).rename(moved)
+            os.symlink(moved, exported / name)
+    with pytest.raises(CheckpointError, match="no tokenizer file of .* is its own"):
+        load_model(str(exported))
 
 
 def _scores(summary) -> list:

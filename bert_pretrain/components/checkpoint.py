@@ -270,19 +270,51 @@ def listed_files(state: dict, under: str = "") -> list:
     return sorted(name for name in state.get("files", {}) if name.startswith(under))
 
 
+def _link_roots(directory: str) -> list:
+    """Where a link in `directory` may point and still be the directory's own file: inside the
+    directory itself, and for a Hugging Face hub cache snapshot (`models--org--name/snapshots/
+    <revision>/`, every file a link into the repository's `blobs/`) that repository's blobs."""
+    real = os.path.realpath(directory)
+    roots = [real]
+    parent = os.path.dirname(real)
+    if os.path.basename(parent) == "snapshots":
+        roots.append(os.path.join(os.path.dirname(parent), "blobs"))
+    return roots
+
+
+def _own_target(directory: str, name: str) -> Optional[str]:
+    """The real path of `name` in `directory` if it is the directory's own regular file (itself,
+    or a link to a regular file under `_link_roots`), else None."""
+    path = os.path.join(directory, name)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return path
+    if not stat.S_ISLNK(mode):
+        return None
+    target = os.path.realpath(path)
+    inside = any(os.path.commonpath([target, root]) == root for root in _link_roots(directory))
+    try:
+        return target if inside and stat.S_ISREG(os.lstat(target).st_mode) else None
+    except OSError:
+        return None
+
+
 def own_files(directory: str, names) -> tuple:
-    """(regular, refused): of `names`, those directly in `directory` that are regular files,
-    and those that are something else there (a symbolic link, a folder, a device).  What a
-    format lists and this returns as regular is all an export may copy out of a directory:
-    never a file a link points to (a `special_tokens_map.json -> ~/.ssh/id_rsa` would ship a
-    private key)."""
+    """(regular, refused): of `names`, those directly in `directory` that are its own regular
+    files, and those that are something else there (a link out of it, a folder, a device).
+    What a format lists and this returns as regular is all an export may copy out of a
+    directory: never a file a link points elsewhere to (a `special_tokens_map.json ->
+    ~/.ssh/id_rsa` would ship a private key).  A link that stays inside the directory, or a hub
+    cache snapshot's link into its own `blobs/` (how every downloaded model is laid out), is
+    the directory's own file."""
     regular, refused = [], []
     for name in names:
-        try:
-            mode = os.lstat(os.path.join(directory, name)).st_mode
-        except FileNotFoundError:
+        if not os.path.lexists(os.path.join(directory, name)):
             continue
-        (regular if stat.S_ISREG(mode) else refused).append(name)
+        (regular if _own_target(directory, name) else refused).append(name)
     return regular, refused
 
 
@@ -298,14 +330,17 @@ def refusal(directory: str, name: str) -> str:
 
 
 def copy_own_files(directory: str, names, dest: str) -> list:
-    """Copy the regular files `names` of `directory` into `dest`: opened without following a
-    link (one swapped in since own_files looked is left out), written as new files (never over
+    """Copy the own files `names` of `directory` (own_files) into `dest`: each opened at its
+    real path without following a link (one swapped in since is left out), written as new files (never over
     one already in `dest`) with the user's umask.  The one copy every export makes
     (bert-export, a fine-tuned model).  Returns the names written."""
     written = []
-    for name in own_files(directory, names)[0]:
+    for name in names:
+        target = _own_target(directory, name)
+        if target is None:
+            continue
         try:
-            src = _open_regular(os.path.join(directory, name))
+            src = _open_regular(target)  # (the link's target itself: no link left to follow)
         except OSError:  # ELOOP: a link now
             continue
         with src:

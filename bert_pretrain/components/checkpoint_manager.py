@@ -131,6 +131,14 @@ class CheckpointManager:
             return
         for name in os.listdir(self.root):
             path = os.path.join(self.root, name)
+            legacy = name[:-len(".old")] if name.endswith(".old") else ""
+            if ckpt.STEP_DIR.match(legacy) and \
+                    not os.path.exists(os.path.join(self.root, legacy)):
+                # Before .old-step-N, a re-save killed between its renames left step-N.old;
+                # a user's backup is named alike, so it is said, never moved or read.
+                self.warn(f"{path} has no {legacy} beside it: if it is a checkpoint an earlier "
+                          f"version's interrupted re-save left, rename it to {legacy} to resume "
+                          f"from it (it is left as it is)")
             if not name.startswith(LEFTOVER_PREFIXES):
                 continue
             step_name = name[len(OLD_PREFIX):] if name.startswith(OLD_PREFIX) else None
@@ -240,7 +248,13 @@ class CheckpointManager:
         if self.rank == 0 and not self._begun:  # no begin(): continue the line as it stands
             line, self._begun = self.chain.read(), True
             self.line, self.line_root, self.parent = line.names, line.root, line.end
-        train_state = {**payload.pop("train_state"), "parent": self.parent}
+        name = ckpt.step_dir_name(step)
+        parent = self.parent
+        if parent == name:  # a re-save of the step resumed from keeps that one's parent
+            earlier = self.line[:self.line.index(name)] if name in self.line else []
+            parent = earlier[-1] if earlier else \
+                (self.line_root if isinstance(self.line_root, str) else None)
+        train_state = {**payload.pop("train_state"), "parent": parent}
         try:
             path = ckpt.write_checkpoint(self.root, step, train_state=train_state,
                                          rank=self.rank, barrier=self.barrier, **payload)
@@ -249,7 +263,6 @@ class CheckpointManager:
                     if self.line else "no earlier checkpoint exists")
             raise CheckpointError(f"{exc}; {kept}; free disk space and rerun with "
                                   f"resume=auto") from None
-        name = ckpt.step_dir_name(step)
         if self.rank == 0:
             self.line = [n for n in self.line if n != name] + [name]
             doomed = self._retention(name)

@@ -49,7 +49,7 @@ def finetune(s, config_yaml: str) -> dict:
         pretrained = load_pretrained(s.model)
         for note in pretrained.notes:
             say(f"bert-finetune: warning: {note}")
-        job = prepare_job(s, pretrained, config_yaml, say)
+        job = prepare_job(s, pretrained, config_yaml, say, precision=session.precision)
         cfg = pretrained.config
         say(f"bert-finetune: {job.data.title}: {len(job.train):,} training examples, "
             f"{' + '.join(f'{len(v):,}' for v in job.evals.values())} to score "

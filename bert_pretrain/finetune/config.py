@@ -81,9 +81,9 @@ class RecipeConfig:
 @dataclass
 class FinetuneTrainerConfig:
     """`trainer`: how the fine-tunes run: speed and bookkeeping, not part of what a results
-    folder is of (identity.py). Results stay the same but for mixed_precision (bf16 or fp16
-    round differently from fp32, as in bert-train) and, with dropout, micro_batch_size (masks
-    are drawn per micro-batch)."""
+    folder is of (identity.py), but for the precision mixed_precision resolves to (bf16 or fp16
+    round differently from fp32, as in bert-train), which is. With dropout, micro_batch_size
+    changes results too (masks are drawn per micro-batch) and is not part of it."""
 
     micro_batch_size: Optional[int] = None
     """Examples per forward/backward on one process; null = batch_size / processes."""

@@ -62,7 +62,7 @@ def run_glue(g, config_yaml: str = "") -> dict:
                                     max_eval_samples=g.max_eval_samples),
                     recipe=g.recipe, trainer=g.trainer, impl=g.impl, model=path, init=init,
                     out_dir=os.path.join(g.out_dir, _slug(label), task))
-                job = prepare_job(s, loaded[path], config_yaml, say)
+                job = prepare_job(s, loaded[path], config_yaml, say, precision=session.precision)
                 summaries[task] = run_grid(session, job, s.out_dir, say)
                 say(f"bert-glue: {label}: {describe_summary(summaries[task])}")
             models.append(model_entry(label, path, init, summaries))

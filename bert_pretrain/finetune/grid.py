@@ -45,8 +45,9 @@ def run_name(lr: float, seed: int) -> str:
     return f"lr{lr:g}-seed{seed}"
 
 
-def prepare_job(s, pretrained, config_yaml: str, say=print) -> Job:
-    """Read and tokenise the task for `pretrained`'s tokenizer; the identity of the results."""
+def prepare_job(s, pretrained, config_yaml: str, say=print, *, precision: str) -> Job:
+    """Read and tokenise the task for `pretrained`'s tokenizer; the identity of the results
+    (`precision`: the session's resolved precision, which rounds the results its own way)."""
     data = read_task(s.task)
     tokenizer = pretrained.tokenizer()
     vocab = pretrained.config.vocab_size
@@ -61,7 +62,7 @@ def prepare_job(s, pretrained, config_yaml: str, say=print) -> Job:
     identity = {"model": pretrained.identity(), "init": s.init,
                 "task": {k: v for k, v in dataclasses.asdict(s.task).items()
                          if k not in TASK_PATHS},
-                "data": data_sha256(data),
+                "data": data_sha256(data), "precision": precision,
                 "recipe": {k: v for k, v in dataclasses.asdict(s.recipe).items()
                            if k not in ("lrs", "seeds")}}
     return Job(s, pretrained, data, train, evals, config_yaml, identity)

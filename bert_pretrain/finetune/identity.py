@@ -50,17 +50,21 @@ def holds(directory: str, identity: dict) -> bool:
 
 def record(directory: str, identity: dict) -> None:
     """Write `directory`'s identity.json (atomically: a crash leaves the old one or the new)."""
-    file = os.path.join(directory, IDENTITY_FILE)
-    tmp = f"{file}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(_normal(identity), f, indent=1, sort_keys=True)
-    os.replace(tmp, file)
+    from ..components.checkpoint import write_json_atomic
+
+    write_json_atomic(os.path.join(directory, IDENTITY_FILE), _normal(identity))
 
 
 def differences(saved: Optional[dict], wanted: dict) -> list:
     """The top-level keys whose values differ, sorted."""
     saved, wanted = saved or {}, _normal(wanted)
     return sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+
+
+def _unclaimed(names) -> bool:
+    """A folder with nothing but Hydra's record of the command, or the temporary file of an
+    identity.json whose writing was killed: nothing has been written for any identity."""
+    return all(n == HYDRA_OUTPUT or n.startswith(f"{IDENTITY_FILE}.tmp-") for n in names)
 
 
 def claim(base: str, identity: dict, what: str = "results",
@@ -79,7 +83,7 @@ def claim(base: str, identity: dict, what: str = "results",
             break
         if not os.path.lexists(candidate) or (os.path.isdir(candidate) and
                                                not os.path.islink(candidate) and
-                                               set(os.listdir(candidate)) <= {HYDRA_OUTPUT}):
+                                               _unclaimed(os.listdir(candidate))):
             try:
                 os.makedirs(candidate, exist_ok=True)
                 record(candidate, wanted)

@@ -92,6 +92,10 @@ def load_model(path: str, warn=None) -> LoadedModel:
         if not _has_tokenizer(path):
             return LoadedModel(model.eval(), None, path)
         files, refused = ckpt.own_files(path, TOKENIZER_FILES)
+        if not {"tokenizer.json", "vocab.txt"} & set(files):
+            # Used through its links it would fine-tune, but what it ships could not be used.
+            raise CheckpointError(f"{ckpt.refusal(path, refused[0])}; no tokenizer file of "
+                                  f"{path} is its own, so nothing made from it could be used")
         return LoadedModel(model.eval(), path, path, files,
                            [ckpt.refusal(path, name) for name in refused])
     checkpoint = resolve_checkpoint(path, warn)
