@@ -1,6 +1,8 @@
 # bert-pretrain: every target sets up its own virtual environment first, so a fresh clone needs
 # nothing but Python 3.10+ and `make`.  `make help` lists the targets.
 SHELL := /bin/bash
+# A literal comma inside a $(if ...):
+comma := ,
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is installed first, on its own, so that `pip install -e .` keeps the build chosen here.
@@ -39,7 +41,7 @@ help: ## Show this help
 # project's other dependencies, ~1.0 GB installed; the test extras, ~130 MB.  pip is not quiet
 # for these: it names each package it downloads, with its size.
 $(VENV)/.installed: pyproject.toml
-	@echo "make: setting up $(VENV) for the project (once; make clean-venv starts again): torch, then the project's dependencies, ~1.8 GB installed"
+	@echo "make: setting up $(VENV) for the project (once; make clean-venv starts again): torch, then the project's dependencies: ~1.8 GB installed with torch's CPU build$(if $(TORCH_INDEX),,; on Linux PyPI's default CUDA build adds several GB (README$(comma) Install))"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@echo "make: installing $(TORCH_SPEC) from $(or $(TORCH_INDEX),pip's configured index): the CPU build is a 190 MB download, 760 MB installed; on Linux PyPI's default is the CUDA build, ~3 GB (README, Install)"

@@ -131,11 +131,21 @@ def did_you_mean(exc: Exception, conf_dir: str, config_name: str, overrides: lis
             cfg = _compose(conf_dir, config_name, [])
         except Exception:
             return ""
-    node = OmegaConf.select(cfg, parent) if parent else cfg
-    names = [str(k) for k in node.keys() if k != "hydra"] if isinstance(node, DictConfig) else []
-    names += _schema_fields(parent, cfg, schemas)
+    def names_at(path: str) -> list:
+        node = OmegaConf.select(cfg, path) if path else cfg
+        names = [str(k) for k in node.keys() if k != "hydra"] if isinstance(node, DictConfig) \
+            else []
+        return names + _schema_fields(path, cfg, schemas)
+
+    names = names_at(parent)
     if leaf in names:
         return ""
+    # A '.' written as '_' (data_dir for data.dir): the dotted key, where it exists.
+    for i, char in enumerate(leaf):
+        if char == "_" and leaf[:i] in names:
+            head = f"{parent + '.' if parent else ''}{leaf[:i]}"
+            if leaf[i + 1:] in names_at(head):
+                return f"did you mean {head}.{leaf[i + 1:]}?"
     close = difflib.get_close_matches(leaf, sorted(set(names)), n=1)
     if close:
         return f"did you mean {parent + '.' if parent else ''}{close[0]}?"
@@ -219,15 +229,20 @@ def precheck(prog: str, conf_dir: str, config_name: str, overrides: list,
     try:
         _compose(conf_dir, config_name, overrides)
     except (HydraException, OmegaConfBaseException) as exc:
-        # Another command's setting (data.dir to bert-finetune) is said to be one before any
-        # 'did you mean' of a name that only looks like it (data_dir).
+        # Another command's setting (data.dir to bert-finetune) is said to be one first, then
+        # this command's nearest key, if any (bert-train data_dir=...: 'data_dir' is a
+        # bert-finetune setting ...; did you mean data.dir?).
         bad = re.search(r"Could not (?:override|find) '([^']+)'", str(exc))
         elsewhere = _belongs_elsewhere(prog, conf_dir, config_name, bad.group(1)) if bad else ""
         message = one_line(exc, None if elsewhere else suggest)
+        hint = ""
+        if "did you mean" not in message:
+            hint = did_you_mean(exc, conf_dir, config_name, overrides, schemas)
         if elsewhere:
             message += f"; {elsewhere}"
-        elif "did you mean" not in message:
-            hint = did_you_mean(exc, conf_dir, config_name, overrides, schemas)
-            message += f"; {hint}" if hint else ""
+            cause = exc.__cause__ or exc.__context__
+            if not hint and suggest and cause is not None:
+                hint = suggest(cause)
+        message += f"; {hint}" if hint else ""
         where = os.path.join("conf", os.path.basename(os.path.normpath(conf_dir)))
         fail(prog, f"{message} (see `{prog} --help` or {where}/ for the keys and options)")

@@ -1,9 +1,9 @@
 """The typed schema of `conf/train/train.yaml`, assembled from the schemas beside the code they
-configure (DataConfig in data.py, OptimConfig/SchedulerConfig in optim.py, TrainerConfig in
-trainer.py, LoggerConfig in metrics.py; the model's BertConfig/ModelImpl are checked by the model
-package).  Registered in Hydra's ConfigStore as `train_schema`, so a misspelt key in a config file
-or on the command line fails at composition, and `settings()` turns the composed tree into
-validated dataclasses with one-line errors for bad values."""
+configure, all in components/ (DataConfig in data.py, OptimConfig/SchedulerConfig in optim.py,
+TrainerConfig in trainer_config.py, LoggerConfig in metrics.py; the model's BertConfig/ModelImpl
+are checked by the model package).  Registered in Hydra's ConfigStore as `train_schema`, so a
+misspelt key in a config file or on the command line fails at composition, and `settings()` turns
+the composed tree into validated dataclasses with one-line errors for bad values."""
 
 from dataclasses import dataclass, field
 from typing import Any

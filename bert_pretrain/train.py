@@ -26,10 +26,8 @@ from .config import TrainConfig, register, settings  # noqa: E402
 from .errors import UserError  # noqa: E402
 
 register()
-# conf/train/ (bert-train's own config root, so --help lists only its groups) sits next to the
-# package.  An absolute path, because Hydra resolves a relative config_path against the calling
-# *module* when run as the `bert-train` console script (it then looks for an importable `conf`
-# package) but against the file under `python -m`.
+
+
 def _model_schema(name: str):
     """The model's dataclass `name`, imported when a typo needs it (it loads torch)."""
     def schema(cfg):
@@ -42,6 +40,10 @@ def _model_schema(name: str):
 # model and impl are free-form in the composed tree: their keys are these dataclasses' fields
 SCHEMAS = {"model": _model_schema("BertConfig"), "impl": _model_schema("ModelImpl")}
 
+# conf/train/ (bert-train's own config root, so --help lists only its groups) sits next to the
+# package.  An absolute path, because Hydra resolves a relative config_path against the calling
+# *module* when run as the `bert-train` console script (it then looks for an importable `conf`
+# package) but against the file under `python -m`.
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "conf", "train")
 

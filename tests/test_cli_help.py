@@ -61,6 +61,7 @@ def error_line(entry, args, monkeypatch, capsys):
     (["model=bert_mnii"], "did you mean model=bert_mini?"),
     (["optim=adamx"], "did you mean optim=adamw?"),
     (["experiment=dmeo"], "did you mean experiment=demo?"),
+    (["trainer_max_steps=3"], "did you mean trainer.max_steps?"),  # '.' written as '_'
     (["corpus=text"], "'corpus' is a bert-prep setting (conf/prep/), not a bert-train one"),
     (["accelerate=cpu_2proc"],
      "run `accelerate launch --config_file conf/accelerate/cpu_2proc.yaml -m bert_pretrain.train"),
@@ -89,6 +90,15 @@ def test_bert_prep_mistakes_get_one_line_and_a_hint(args, hint, monkeypatch, cap
 
     err = error_line(build, args, monkeypatch, capsys)
     assert err.startswith("bert-prep: error: ") and hint in err, err
+
+
+def test_another_commands_setting_still_gets_this_commands_nearest_key(monkeypatch, capsys):
+    """data_dir is bert-finetune's; bert-train's own is data.dir: the line names both."""
+    from bert_pretrain import train
+
+    err = error_line(train, ["data_dir=prepared/x"], monkeypatch, capsys)
+    assert "'data_dir' is a bert-finetune setting (conf/finetune/), not a bert-train one; " \
+           "did you mean data.dir?" in err, err
 
 
 def test_no_suggestion_when_nothing_is_close(monkeypatch, capsys):

@@ -109,18 +109,3 @@ def test_glue_tsv_rows_without_every_field_are_skipped(tmp_path):
         f.write("\t".join(lines[1].rstrip("\n").split("\t")[:4]) + "\n")
     data = read_task(TaskConfig(name="qqp", data_dir=folder))
     assert len(data.train) == 12
-
-
-def test_an_export_copy_never_writes_over_a_file_already_there(tmp_path):
-    """checkpoint.copy_own_files: files are "written as new files (never over one already in
-    `dest`)": a file of that name in the destination stays as it was."""
-    from bert_pretrain.components.checkpoint import copy_own_files
-
-    src, dest = tmp_path / "src", tmp_path / "dest"
-    src.mkdir()
-    dest.mkdir()
-    (src / "vocab.txt").write_text("[PAD]\n")
-    (dest / "vocab.txt").write_text("the user's own\n")
-    with pytest.raises(FileExistsError):
-        copy_own_files(str(src), ["vocab.txt"], str(dest))
-    assert (dest / "vocab.txt").read_text() == "the user's own\n"

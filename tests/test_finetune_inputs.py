@@ -250,7 +250,7 @@ def test_bert_finetune_and_bert_glue_spell_the_subset_and_the_glue_copy_alike(tm
     (["models=[a]", "tasks=[sst2,foo]"], "tasks: ['foo']: use all, fast"),
     (["models=[a]", "task=sst2"], "did you mean tasks?"),
     (["tasks=fast"], "models is not set"),
-    # a bert-train setting, not 'did you mean data_dir?' (a name that only looks like it)
+    # a bert-train setting, said before this command's look-alike (did you mean data_dir?)
     (["models=[a]", "data.dir=prepared/x"], "'data' is a bert-train setting (conf/train/), "
                                             "not a bert-glue one"),
 ])

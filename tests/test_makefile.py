@@ -89,6 +89,9 @@ def test_a_changed_pyproject_reinstalls_what_each_target_needs(checkout):
 def test_the_demo_says_what_it_installs_and_pip_is_not_quiet(checkout):
     out = run_make(checkout, "install-test")
     assert "190 MB download" in out and "~1.0 GB installed" in out and "~130 MB" in out
+    # TORCH_INDEX empty: the CPU build's size and what Linux's default (CUDA) build adds
+    assert "~1.8 GB installed with torch's CPU build; on Linux PyPI's default CUDA build adds " \
+           "several GB" in out
     installs = [line for line in out.splitlines() if " -m pip install" in line
                 and "--upgrade pip" not in line]
     assert len(installs) == 3 and not any(" -q" in line for line in installs)
