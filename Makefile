@@ -19,7 +19,8 @@ PYTEST_ARGS ?=
 DEMO_DATA := prepared/builtin64
 # DEMO_STEPS=N trains N steps instead of 3 minutes of wall clock: on a busy or slow machine the
 # 3 minutes give few steps (658 at load 5-9 on 2 cores) and answers the README does not show;
-# 3700 is what a quiet 2-core machine trains in 3 minutes.  It is a run of its own
+# 3700 is what the quiet development machine trained in 3 minutes (the README's run; another
+# 2-core machine of its kind gave 2,083).  It is a run of its own
 # (runs/demo-N-steps), so the 3-minute run is kept.
 DEMO_STEPS ?=
 DEMO_NAME = $(if $(DEMO_STEPS),demo-$(DEMO_STEPS)-steps,demo)
@@ -76,7 +77,7 @@ test-cuda: install-test ## Run the GPU tests (tests/test_cuda.py; needs CUDA)
 demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU (DEMO_STEPS=N: N steps), evaluate it, fill in two [MASK]s
 	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05 max_seq_length=64 max_predictions_per_seq=10 tokenizer.vocab_size=8192
 	$(VENV)/bin/bert-train experiment=demo $(DEMO_TRAIN_ARGS)
-	@echo "make: the demo model fills in two [MASK]s$(if $(DEMO_STEPS),,; on a busy machine 3 minutes give fewer steps and worse answers: make demo DEMO_STEPS=3700 trains what a quiet 2-core machine does in 3 minutes)"
+	@echo "make: the demo model fills in two [MASK]s$(if $(DEMO_STEPS),,; on a busy machine 3 minutes give fewer steps and worse answers: make demo DEMO_STEPS=3700 trains the steps of the README's run)"
 	$(VENV)/bin/bert-predict fill-mask $(DEMO_RUN) $(DEMO_SENTENCES) --top-k 3
 
 demo-readme: demo ## Rewrite README.md's demo output block from the demo run (bench/demo_check.py)
