@@ -411,5 +411,17 @@ def test_compile_equals_eager():
     for seed in (1, 2):
         assert_same_sparse_step(eager, compiled, make_batch(cfg, seed=seed), atol=1e-5)
     # two blocks, and at most a recompile each for the last layer's subset rows
+    assert_compiled(compiled)
     assert dynamo_utils.counters["stats"]["unique_graphs"] <= 4
     assert not dynamo_utils.counters["graph_break"]
+
+
+def assert_compiled(model) -> None:
+    """impl.compile took effect: every layer holds its compiled blocks, and dynamo compiled a
+    graph for each of the two since the counters were cleared (an ignored switch runs eager,
+    equal to the reference, and compiles nothing)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    layers = model.bert.encoder.layer
+    assert all(layer._compiled is not None for layer in layers), "impl.compile was ignored"
+    assert dynamo_utils.counters["stats"]["unique_graphs"] >= 2, dict(dynamo_utils.counters)
