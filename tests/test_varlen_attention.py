@@ -175,6 +175,31 @@ def test_plan_groups_buckets_lengths_past_the_table_size(monkeypatch):
         brute_force_cost(few, 8, 50_000, layout.MAX_GROUPS), rel=1e-12)
 
 
+def test_bucketed_plan_is_the_optimum_over_bucketed_lengths(monkeypatch):
+    """With more distinct lengths than buckets, the planner solves the problem over the
+    bucketed lengths exactly: each length rounded UP to a multiple of the bucket width, the
+    width ceil(longest / MAX_LENGTH_BUCKETS).  Longest lengths that do not divide evenly, so
+    that rounding down (a length or the width) gives other buckets and another plan."""
+    import bert_pretrain.model.layout as layout
+
+    monkeypatch.setattr(layout, "MAX_LENGTH_BUCKETS", 8)
+    rng = random.Random(3)
+    for _ in range(60):
+        overhead = rng.choice([400, 5_000, 50_000])
+        monkeypatch.setattr(layout, "GROUP_OVERHEAD", overhead)
+        longest = rng.choice([67, 101, 333, 509])
+        assert longest % 8
+        lengths = rng.sample(range(1, longest), 11) + [longest]  # 12 distinct: bucketed
+        heads = rng.choice([1, 4, 12])
+        width = -(-longest // 8)
+        bucketed = [-(-n // width) * width for n in lengths]
+        groups = plan_groups(lengths, heads)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        expected = brute_force_cost(bucketed, heads, overhead, layout.MAX_GROUPS)
+        assert plan_cost(groups, bucketed, heads, overhead) == pytest.approx(expected,
+                                                                           rel=1e-12)
+
+
 def test_plan_groups_at_a_large_batch_is_a_few_vector_steps(monkeypatch):
     """B=512 with 65 distinct lengths: the plan is the same whatever the order of the batch,
     and the planner's cost table is K x K for the distinct lengths, not B x B (the old
