@@ -11,6 +11,7 @@ import torch
 
 from bert_pretrain.model import BertForPreTraining, ModelImpl
 from bert_pretrain.model.layout import TokenLayout, plan_groups
+from bert_pretrain.model.paths import describe
 from test_model_impl import make_batch, run_step, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cheap_groups")
@@ -309,7 +310,7 @@ def test_auto_picks_per_device(device, expected):
     assert ModelImpl(varlen_attention="nested").resolved_varlen_attention(device) == "nested"
     assert ModelImpl(varlen_attention="groups").resolved_varlen_attention(device) == "groups"
     assert ModelImpl(unpad=False).resolved_varlen_attention(device) == "off"
-    line = ModelImpl().describe(device)
+    line = describe(ModelImpl(), None, device)
     assert f"varlen_attention={expected} (auto on {device})" in line
     assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
 
@@ -319,12 +320,15 @@ def test_auto_picks_per_device(device, expected):
     ("auto", "cpu", False, "eager"), ("eager", "cuda", False, "eager")])
 def test_the_start_line_names_the_attention_the_layers_run(attention, device, dropout,
                                                            expected):
-    """One rule (ModelImpl.resolved_attention) for the path the layers take and the start-up
-    line: `sdpa` with dropout on a CPU runs the explicit product (SDPA's dropout is unfused
-    there), and the line says so instead of `sdpa`."""
+    """One rule (paths.attention_path) for the path the layers take and the start-up line:
+    `sdpa` with dropout on a CPU runs the explicit product (SDPA's dropout is unfused there),
+    and the line says so instead of `sdpa`."""
     impl = ModelImpl(attention=attention)
     assert impl.resolved_attention(device, dropout) == expected
-    assert f"attention={expected}" in impl.describe(device, dropout)
+    line = describe(impl, None, device, dropout=dropout)
+    assert f"attention={expected}" in line
+    assert f"runs {'length groups' if device == 'cpu' else 'padded grid'} + " \
+        f"{'explicit product' if expected == 'eager' else 'sdpa'}" in line
     cfg = tiny_config(attention_probs_dropout_prob=0.1 if dropout else 0.0)
     model = BertForPreTraining(cfg, impl).train()
     layer = model.bert.encoder.layer[0].attention.self
