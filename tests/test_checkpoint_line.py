@@ -112,8 +112,56 @@ def _resave(root, model):
     return manager, "step-00000002"
 
 
+def _siblings(order):
+    """The line's end (step 2) has two children that the pointer does not list, steps 3 and
+    4, saved in `order` (each by a save the pointer's rewrite never reached, the other hidden
+    meanwhile: two unrecorded continuations of one end).  The line follows the newest (highest
+    step), whatever order they came in and listdir gives them; the other stays, off the line."""
+    def setup(root, model):
+        run = os.path.join(root, "run")
+        manager = cm.CheckpointManager(run)
+        for step in (1, 2):
+            _save(manager, step, model)
+        folder = cm.checkpoints_root(run)
+        pointer = open(os.path.join(folder, cm.POINTER)).read()
+        for step in order:
+            others = [n for n in os.listdir(folder) if n.startswith("step-0000000")
+                      and ckpt.step_of(n) > 2]
+            for name in others:
+                os.rename(os.path.join(folder, name), os.path.join(root, name))
+            _save(cm.CheckpointManager(run), step, model)  # continues step 2
+            for name in others:
+                os.rename(os.path.join(root, name), os.path.join(folder, name))
+            open(os.path.join(folder, cm.POINTER), "w").write(pointer)
+        assert {cm.CheckpointManager(run).chain.parent_of(n)
+                for n in ("step-00000003", "step-00000004")} == {"step-00000002"}
+        return cm.CheckpointManager(run), "step-00000004"
+    return setup
+
+
+def _off_line_in_own_folder(root, model):
+    """This run resumed from another run's step 2 and saved step 3, then resumed from that
+    run's step 8 (step 3 stays, off the new line), then explicitly from its own step 3 again:
+    the line is [step 3], and its root, the other run's step 2, comes with it."""
+    other = cm.CheckpointManager(os.path.join(root, "other"))
+    for step in (2, 8):
+        _save(other, step, model)
+    source = cm.checkpoints_root(os.path.join(root, "other"))
+    run = os.path.join(root, "run")
+    manager = cm.CheckpointManager(run)
+    manager.begin(os.path.join(source, "step-00000002"))
+    _save(manager, 3, model)
+    assert cm.CheckpointManager(run).begin(os.path.join(source, "step-00000008")) == []
+    manager = cm.CheckpointManager(run)
+    assert manager.begin(os.path.join(cm.checkpoints_root(run), "step-00000003")) == []
+    return manager, "step-00000003"
+
+
 SCENARIOS = {"fresh": (_fresh, 5), "continued": (_continued, 4), "branched": (_branched, 3),
-             "from another run": (_from_another_run, 3), "re-save": (_resave, 2)}
+             "from another run": (_from_another_run, 3), "re-save": (_resave, 2),
+             "siblings, lower step first": (_siblings((3, 4)), 5),
+             "siblings, higher step first": (_siblings((4, 3)), 5),
+             "off-line checkpoint of its own": (_off_line_in_own_folder, 4)}
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -155,8 +203,12 @@ def test_a_save_killed_at_any_point_is_found_by_resume_auto(scenario, model, tmp
         line = manager.current_line()
         assert line[-1] == ckpt.step_dir_name(step + 1) and line[-2:-1] == \
             ([expected] if expected else []), (scenario, at, line)
-        # invariant 1: each names the previous one as its parent (a re-save not itself)
+        # invariant 1: each names the previous one as its parent (a re-save not itself), the
+        # first the line's root (or a checkpoint of this run that retention took off the line)
         assert [manager.chain.parent_of(n) for n in line[1:]] == line[:-1], (scenario, at)
+        first, root = manager.chain.parent_of(line[0]), manager.chain.read().root
+        assert first == root or (root is None and ckpt.STEP_DIR.match(first or "")), \
+            (scenario, at, first, root)
 
 
 def test_the_first_save_after_a_resume_from_another_run_is_found_without_the_pointer(model,

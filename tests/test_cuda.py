@@ -93,11 +93,15 @@ def _tiny(**kw):
 def test_attention_paths_equal_the_eager_path_on_cuda(switches, dtype):
     """SDPA's fused kernels, the length groups and nested tensors (the fused variable-length
     kernels) against the explicit product on the padded grid, on batches with padding."""
+    import torch._dynamo.utils as dynamo_utils
+
     from bert_pretrain.model import BertForPreTraining, ModelImpl
-    from test_model_impl import run_step
+    from test_model_impl import assert_compiled, run_step
     from test_varlen_attention import modes_used, spread_batch
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
     cfg = _tiny()
     torch.manual_seed(0)
     eager = BertForPreTraining(cfg, ModelImpl(varlen_attention="off", attention="eager"))
@@ -116,6 +120,8 @@ def test_attention_paths_equal_the_eager_path_on_cuda(switches, dtype):
         assert torch.allclose(a, b, atol=tol, rtol=tol), name
     for name, grad in grads.items():
         assert torch.allclose(grad.float(), ref_grads[name].float(), atol=tol, rtol=tol), name
+    if switches.get("compile"):
+        assert_compiled(fast)
 
 
 def _copy_step(src_run, step, dst_run):

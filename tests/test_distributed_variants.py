@@ -1,7 +1,8 @@
 """Model variants under 2 processes launched the way users launch them (accelerate, gloo on
-CPU): relative position embeddings and pre-LN.  DDP needs every parameter to take part in the
-forward pass (an unused one stops the second step with "Expected to have finished reduction in
-the prior iteration"), and the 2-process run must equal 1 process with 2 accumulation steps."""
+CPU): relative position embeddings, pre-LN, and speed switches.  DDP needs every parameter to
+take part in the forward pass (an unused one stops the second step with "Expected to have
+finished reduction in the prior iteration"), and the 2-process run must equal 1 process with 2
+accumulation steps."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,10 @@ def prepared(tmp_path_factory) -> str:
 @pytest.mark.parametrize("variant", [
     ["model.position_embedding_type=relative_key"],
     ["model.pre_layer_norm=true"],
-], ids=["relative_key", "pre_ln"])
+    # speed switches under DDP and accumulation (docs/model.md's switch matrix): nested
+    # tensors recomputed by gradient checkpointing, with the fused projection
+    ["impl.varlen_attention=nested", "impl.gradient_checkpointing=true", "impl.fused_qkv=true"],
+], ids=["relative_key", "pre_ln", "nested_checkpointing"])
 def test_two_processes_equal_one_process_with_accumulation(prepared, tmp_path, variant):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     train_1proc(f"data.dir={prepared}", f"run_dir={one_dir}", "trainer.micro_batch_size=4",

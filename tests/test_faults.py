@@ -1,12 +1,14 @@
-"""Fault injection: `kill -9` a real `bert-train` run at random moments, again and again, and
-resume it each time with resume=auto.
+"""Fault injection: `kill -9` a real `bert-train` run at points of its work drawn at random,
+again and again, and resume it each time with resume=auto.
 
-Each restart is killed at a moment drawn at random from: during start-up and resume (a random
-delay after launch), right after a training step was logged (plus a random delay, landing in
-the following steps, checkpoint writes or evaluations), and while a checkpoint is being written
-(when its `.tmp-step-*` directory appears).  Twice, the newest checkpoint is also damaged
-(truncated weights, a flipped bit in the optimizer state) before the restart, which must skip
-it with a warning.  Then:
+Each restart is killed at a point drawn (seeded) from: start-up and resume (entering the repair
+of interrupted saves, the search for the checkpoint, its loading, the start of the line), a
+training step (before it, computed but not logged, logged but not yet evaluated or saved), an
+evaluation (after its first batch) and a checkpoint write (at one of its file writes, renames
+and removals).  The points are named, counted from the launch (tests/fault_points.py kills the
+run itself there), so the same seed covers the same points on a fast machine and on a loaded
+one.  Twice, the newest checkpoint is also damaged (truncated weights, a flipped bit in the
+optimizer state) before the restart, which must skip it with a warning.  Then:
 
 - every restart that gets past start-up resumes from the newest intact checkpoint;
 - no kill ever costs more than the steps since the last completed checkpoint;
@@ -15,7 +17,7 @@ it with a warning.  Then:
 
 Counts are printed (pytest -s) as the table in docs/checkpoints.md ("Reliability"):
     pytest -m slow -s tests/test_faults.py
-Set FAULTS=N to inject more (default 24) and FAULT_SEED to draw other moments.
+Set FAULTS=N to inject more (default 24) and FAULT_SEED to draw other points.
 """
 import json
 import os
@@ -23,14 +25,13 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from bert_pretrain.components import checkpoint_manager as cm
-from time_limits import hang_deadline, hang_limit
+from time_limits import hang_limit
 from train_support import REPO, write_prepared
 
 MAX_STEPS, EVERY, EVAL_EVERY = 96, 2, 5
@@ -44,12 +45,17 @@ def _env():
             "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _start(tmp_path, run_dir, tag, *extra):
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_points.py")
+
+
+def _start(tmp_path, run_dir, tag, *extra, fault=""):
+    """bert-train through tests/fault_points.py, which kills it at the point `fault` names."""
     out, err = open(tmp_path / f"{tag}.out", "w"), open(tmp_path / f"{tag}.err", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bert_pretrain.train", *COMMON, f"data.dir={tmp_path / 'data'}",
+        [sys.executable, DRIVER, *COMMON, f"data.dir={tmp_path / 'data'}",
          f"run_dir={run_dir}", f"hydra.run.dir={tmp_path / 'hydra' / tag}", *extra],
-        cwd=tmp_path, env=_env(), stdout=out, stderr=err, start_new_session=True)
+        cwd=tmp_path, env={**_env(), "FAULT": fault}, stdout=out, stderr=err,
+        start_new_session=True)
     return proc, tmp_path / f"{tag}.out", tmp_path / f"{tag}.err"
 
 
@@ -72,17 +78,6 @@ def _logged_steps(run_dir):
     return [r["step"] for r in _records(run_dir) if "loss" in r]
 
 
-def _saving(run_dir, since):
-    """A checkpoint write of this launch is under way (a `.tmp-step-*` left by an earlier
-    kill does not count: the trainer removes those at start-up)."""
-    root = cm.checkpoints_root(str(run_dir))
-    try:
-        return any(n.startswith(".tmp-step-") and os.stat(os.path.join(root, n)).st_ctime >= since
-                   for n in os.listdir(root))
-    except FileNotFoundError:
-        return False
-
-
 def _step_of(path):
     return int(os.path.basename(path).split("-")[1]) if path else 0
 
@@ -93,48 +88,22 @@ def _started(out):
     return "parameters;" in out.read_text()
 
 
-def _wait_and_kill(proc, run_dir, rng, start_step, since, out, step_s):
-    """Kill `proc` at a random moment; returns the moment's kind, or None if it finished first."""
-    mode = rng.choices(["startup", "after-step", "checkpoint-write", "evaluation"],
-                       weights=[1, 2, 2, 1])[0]
-    target = start_step + rng.randint(1, 3)
-    # the events awaited come however slow the machine; the deadline only ends a hung run
-    deadline = time.monotonic() + rng.uniform(0.3, 5.0) if mode == "startup" else hang_deadline()
-    while proc.poll() is None and time.monotonic() < deadline:
-        if mode in ("after-step", "evaluation") and not _started(out):
-            pass
-        elif mode == "startup" and _started(out) and \
-                any(s >= target for s in _logged_steps(run_dir)):
-            break  # start-up ended before the delay: a kill in training, a few steps on (a run
-            # left to go on for the whole delay could finish before all the faults are in)
-        elif mode == "after-step" and any(s >= target for s in _logged_steps(run_dir)):
-            # lands in the next step, checkpoint write or evaluation: the delay is in units of
-            # the run's own step time (steps, saves and evaluations together), so a faster
-            # machine or model does not carry the run many steps on before each kill
-            time.sleep(rng.uniform(0.0, 2 * step_s))
-            break
-        elif mode == "evaluation" and any(s > start_step and s % EVAL_EVERY == 0
-                                        for s in _logged_steps(run_dir)):
-            time.sleep(rng.uniform(0.0, 0.01))  # the evaluation follows the step's log line
-            break
-        if mode == "checkpoint-write" and _saving(run_dir, since):
-            time.sleep(rng.uniform(0.0, 0.005))
-            break
-        time.sleep(0.002)
-    if proc.poll() is not None:
-        return None
-    phase = "checkpoint write" if _saving(run_dir, since) else mode
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    if not _started(out):
-        return "startup / resume"
-    logged = _logged_steps(run_dir)
-    if phase in ("after-step", "evaluation"):  # where it was: in an evaluation when the last
-        evaluated = any(r.get("step") == logged[-1] and "eval_mlm_loss" in r  # step logged
-                        for r in _records(run_dir)) if logged else True  # calls for one that
-        phase = "evaluation" if logged and logged[-1] % EVAL_EVERY == 0 and not evaluated \
-            else "training step"  # was not logged yet
-    return "training step" if phase in ("startup", "checkpoint-write") else phase
+KINDS = {"start": "startup / resume", "step": "training step", "eval": "evaluation",
+         "save": "checkpoint write"}
+
+
+def _draw(rng, resuming, save_writes):
+    """A kill point of the next launch (tests/fault_points.py), and its kind."""
+    kind = rng.choices(["start", "step", "save", "eval"], weights=[1, 2, 2, 1])[0]
+    if kind == "start":
+        point = rng.choice(["repair", "find", "begin"] + (["load_states"] if resuming else []))
+    elif kind == "step":
+        point = f"{rng.randint(1, 3)}:{rng.choice(['before', 'after', 'logged'])}"
+    elif kind == "save":  # a save comes every EVERY steps: the 1st or 2nd of the launch
+        point = f"{rng.randint(1, 2)}:{rng.randint(1, save_writes)}"
+    else:  # an evaluation every EVAL_EVERY steps: the launch's first
+        point = "1"
+    return f"{kind}:{point}", KINDS[kind]
 
 
 def _comparable(run_dir):
@@ -161,14 +130,14 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED", "20261123")))
     write_prepared(str(tmp_path / "data"), num_train=96, num_valid=24)
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    proc, ref_out, ref_err = _start(tmp_path, reference_dir, "reference")
-    while proc.poll() is None and not _started(ref_out):
-        time.sleep(0.002)
-    began = time.monotonic()
+    counts = tmp_path / "writes-per-save"
+    proc, ref_out, ref_err = _start(tmp_path, reference_dir, "reference",
+                                    fault=f"count:{counts}")
     assert proc.wait(timeout=hang_limit()) == 0, ref_err.read_text()[-3000:]
-    step_s = (time.monotonic() - began) / MAX_STEPS  # per step, saves and evaluations included
+    save_writes = min(int(n) for n in counts.read_text().split())  # every save makes these
+    assert save_writes >= 5
 
-    kinds, lost, resumed, damaged, tracebacks = {}, [], 0, [], 0
+    kinds, lost, resumed, damaged, tracebacks, points = {}, [], 0, [], 0, []
     launches = fresh = 0
     damage_plan = [(n_faults // 3, "truncate"), ((2 * n_faults) // 3, "bitflip")]
     while True:
@@ -185,13 +154,17 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
             damaged.append(expected)
             expected = cm.latest_checkpoint(str(run_dir))
         launches += 1
-        since = time.time() - 0.01
+        point, kind = _draw(rng, expected is not None, save_writes) \
+            if sum(kinds.values()) < n_faults else ("", None)
         proc, out, err = _start(tmp_path, run_dir, f"run{launches}",
-                                *(["resume=auto"] if launches > 1 else []))
-        kind = _wait_and_kill(proc, run_dir, rng, _step_of(expected), since, out, step_s) \
-            if sum(kinds.values()) < n_faults else None
-        if kind is None:
-            assert proc.wait(timeout=hang_limit()) == 0, err.read_text()[-3000:]
+                                *(["resume=auto"] if launches > 1 else []), fault=point)
+        code = proc.wait(timeout=hang_limit())
+        if code == 0:
+            kind = None  # it finished before the point came
+        else:
+            assert code == -signal.SIGKILL, err.read_text()[-3000:]
+            assert _started(out) == (kind != "startup / resume"), (point, out.read_text())
+            points.append(point)
         stdout, stderr = out.read_text(), err.read_text()
         tracebacks += stderr.count("Traceback")
         if "parameters;" in stdout:  # got past start-up: check where it resumed from
@@ -237,7 +210,7 @@ def test_kill_9_at_random_moments_then_resume_auto_loses_nothing(tmp_path):
           f"yet), {launches - resumed - fresh} were killed in start-up; failed resumes: 0; "
           f"steps lost: {sum(lost)} in all, at most {max(lost)} "
           f"per fault (checkpoint_every={EVERY}); tracebacks: {tracebacks}; final weights equal "
-          f"to the uninterrupted run: yes ({len(a)} tensors)")
+          f"to the uninterrupted run: yes ({len(a)} tensors); points: {', '.join(points)}")
 
 
 def test_explicit_resume_of_a_damaged_checkpoint_is_one_line(tmp_path):

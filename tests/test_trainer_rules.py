@@ -386,14 +386,18 @@ def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
                           "trainer.checkpoint_every=1", "impl.fused_qkv=true"))
     log = (run_dir / "train.log").read_text()
     assert ("speed switches on cpu: unpadded, varlen_attention=groups (auto on cpu), "
-            "attention=eager (auto on cpu), sparse prediction + last layer, fused qkv, "
+            "attention=eager (auto on cpu): runs length groups + explicit product (the last "
+            "layer's labelled rows: padded grid), sparse prediction + last layer, fused qkv, "
             "fast dropout") in log
+    # nested tensors take no score bias: while the locality start is on (demo, gpu_mini), the
+    # layers run the padded grid, and the line says so (issue 38)
     run_dir = tmp_path / "nested"
     train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
                           "trainer.checkpoint_every=1", "impl.varlen_attention=nested",
-                          "impl.attention=sdpa"))
-    assert "varlen_attention=nested, attention=sdpa (nested tensors)," in \
-        (run_dir / "train.log").read_text()
+                          "impl.attention=sdpa", "trainer.attention_locality=1.0"))
+    assert ("varlen_attention=nested, attention=eager (with dropout on cpu): runs padded grid "
+            "+ explicit product while the locality bias is on (first 45% of steps), then "
+            "nested tensors + sdpa,") in (run_dir / "train.log").read_text()
 
 
 def test_resolve_precision_keeps_explicit_settings():

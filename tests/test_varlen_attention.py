@@ -11,6 +11,7 @@ import torch
 
 from bert_pretrain.model import BertForPreTraining, ModelImpl
 from bert_pretrain.model.layout import TokenLayout, plan_groups
+from bert_pretrain.model.paths import describe
 from test_model_impl import make_batch, run_step, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread", "cheap_groups")
@@ -175,6 +176,31 @@ def test_plan_groups_buckets_lengths_past_the_table_size(monkeypatch):
         brute_force_cost(few, 8, 50_000, layout.MAX_GROUPS), rel=1e-12)
 
 
+def test_bucketed_plan_is_the_optimum_over_bucketed_lengths(monkeypatch):
+    """With more distinct lengths than buckets, the planner solves the problem over the
+    bucketed lengths exactly: each length rounded UP to a multiple of the bucket width, the
+    width ceil(longest / MAX_LENGTH_BUCKETS).  Longest lengths that do not divide evenly, so
+    that rounding down (a length or the width) gives other buckets and another plan."""
+    import bert_pretrain.model.layout as layout
+
+    monkeypatch.setattr(layout, "MAX_LENGTH_BUCKETS", 8)
+    rng = random.Random(3)
+    for _ in range(60):
+        overhead = rng.choice([400, 5_000, 50_000])
+        monkeypatch.setattr(layout, "GROUP_OVERHEAD", overhead)
+        longest = rng.choice([67, 101, 333, 509])
+        assert longest % 8
+        lengths = rng.sample(range(1, longest), 11) + [longest]  # 12 distinct: bucketed
+        heads = rng.choice([1, 4, 12])
+        width = -(-longest // 8)
+        bucketed = [-(-n // width) * width for n in lengths]
+        groups = plan_groups(lengths, heads)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        expected = brute_force_cost(bucketed, heads, overhead, layout.MAX_GROUPS)
+        assert plan_cost(groups, bucketed, heads, overhead) == pytest.approx(expected,
+                                                                           rel=1e-12)
+
+
 def test_plan_groups_at_a_large_batch_is_a_few_vector_steps(monkeypatch):
     """B=512 with 65 distinct lengths: the plan is the same whatever the order of the batch,
     and the planner's cost table is K x K for the distinct lengths, not B x B (the old
@@ -284,7 +310,7 @@ def test_auto_picks_per_device(device, expected):
     assert ModelImpl(varlen_attention="nested").resolved_varlen_attention(device) == "nested"
     assert ModelImpl(varlen_attention="groups").resolved_varlen_attention(device) == "groups"
     assert ModelImpl(unpad=False).resolved_varlen_attention(device) == "off"
-    line = ModelImpl().describe(device)
+    line = describe(ModelImpl(), None, device)
     assert f"varlen_attention={expected} (auto on {device})" in line
     assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
 
@@ -294,12 +320,15 @@ def test_auto_picks_per_device(device, expected):
     ("auto", "cpu", False, "eager"), ("eager", "cuda", False, "eager")])
 def test_the_start_line_names_the_attention_the_layers_run(attention, device, dropout,
                                                            expected):
-    """One rule (ModelImpl.resolved_attention) for the path the layers take and the start-up
-    line: `sdpa` with dropout on a CPU runs the explicit product (SDPA's dropout is unfused
-    there), and the line says so instead of `sdpa`."""
+    """One rule (paths.attention_path) for the path the layers take and the start-up line:
+    `sdpa` with dropout on a CPU runs the explicit product (SDPA's dropout is unfused there),
+    and the line says so instead of `sdpa`."""
     impl = ModelImpl(attention=attention)
     assert impl.resolved_attention(device, dropout) == expected
-    assert f"attention={expected}" in impl.describe(device, dropout)
+    line = describe(impl, None, device, dropout=dropout)
+    assert f"attention={expected}" in line
+    assert f"runs {'length groups' if device == 'cpu' else 'padded grid'} + " \
+        f"{'explicit product' if expected == 'eager' else 'sdpa'}" in line
     cfg = tiny_config(attention_probs_dropout_prob=0.1 if dropout else 0.0)
     model = BertForPreTraining(cfg, impl).train()
     layer = model.bert.encoder.layer[0].attention.self

@@ -63,6 +63,14 @@ def _attention_dropout(t) -> bool:
     return getattr(config, "attention_probs_dropout_prob", 0.0) > 0
 
 
+def _locality(tc):
+    """While the training-time locality bias is on, in words (None: never)."""
+    if not tc.attention_locality or not tc.attention_locality_end:
+        return None
+    return (f"first {tc.attention_locality_end:.0%} of "
+            f"{'steps' if tc.budget_hours is None else 'the time budget'}")
+
+
 def start_lines(t) -> list:
     """What bert-train says as trainer `t` starts: the model, data, processes and batches, then
     the precision and CPU settings with the reason for each."""
@@ -84,8 +92,12 @@ def start_lines(t) -> list:
     lines.append(f"bert-train: precision {t.precision.describe()} ({t.precision.reason}){threads}")
     impl = getattr(t.raw_model, "impl", None)  # (a benchmark may train another model class)
     if impl is not None:
-        lines.append(f"bert-train: speed switches on {t.accelerator.device.type}: "
-                     f"{impl.describe(t.accelerator.device.type, _attention_dropout(t))}")
+        from ..model.paths import describe
+
+        device = t.accelerator.device.type
+        switches = describe(impl, cfg, device, dropout=_attention_dropout(t),
+                            locality=_locality(tc))
+        lines.append(f"bert-train: speed switches on {device}: {switches}")
     if not cfg.next_sentence_prediction:
         lines.append("bert-train: MLM only (no NSP head"
                      + (": the data has no sentence pairs)" if not t.data.has_nsp else

@@ -25,6 +25,7 @@ from torch import nn
 from .config import BertConfig, ModelImpl
 from .dropout import dropout
 from .layout import QuerySubset, TokenLayout
+from .paths import AttentionPath, attention_path
 
 
 class BertSelfAttention(nn.Module):
@@ -138,11 +139,17 @@ class BertSelfAttention(nn.Module):
             mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
 
+    def path(self, device_type: str, output_attentions: bool = False) -> AttentionPath:
+        """This call's grid and product (paths.attention_path: the one rule, which the
+        start-up line says too)."""
+        return attention_path(
+            self.impl, device_type,
+            score_bias=self.position_embedding_type != "absolute"
+            or self.locality_slopes is not None,
+            dropout=self.training and self.dropout_prob > 0, output_attentions=output_attentions)
+
     def _explicit(self, output_attentions: bool, device: torch.device) -> bool:
-        # (ModelImpl.resolved_attention: the one rule, which the start-up line says too)
-        dropout = self.training and self.dropout_prob > 0
-        return output_attentions or \
-            self.impl.resolved_attention(device.type, dropout) == "eager"
+        return self.path(device.type, output_attentions).product == "eager"
 
     def _forward_groups(self, hidden: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """Attention on real tokens only: each length group on its own grid (TokenLayout)."""
@@ -190,12 +197,9 @@ class BertSelfAttention(nn.Module):
     def varlen_mode(self, layout: TokenLayout, device_type: str, output_attentions: bool = False,
                     subset: QuerySubset | None = None) -> str:
         """The grid this call attends on: "nested", "groups" or "off" (the padded grid)."""
-        if output_attentions or not layout.unpadded or layout.key_mask is None:
-            return "off"  # maps cover the padded grid; nothing padded: nothing to skip
-        mode = self.impl.resolved_varlen_attention(device_type)
-        if mode == "nested" and (self.position_embedding_type != "absolute"
-                                 or self.locality_slopes is not None):
-            return "off"  # a score bias: the fused variable-length kernels take none
+        if not layout.unpadded or layout.key_mask is None:
+            return "off"  # nothing padded: nothing to skip
+        mode = self.path(device_type, output_attentions).grid
         if mode == "groups" and (subset is not None or not layout.right_padded):
             return "off"
         return mode

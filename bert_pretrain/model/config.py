@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .paths import check_pairs
+
 ACTIVATIONS = ("gelu", "gelu_new", "relu", "silu", "swish", "mish")
 POSITION_EMBEDDING_TYPES = ("absolute", "relative_key", "relative_key_query")
 ATTENTION_IMPLS = ("auto", "sdpa", "eager")
@@ -220,6 +222,7 @@ class ModelImpl:
             f"impl.attention {self.attention!r} is not supported; use one of "
             f"{', '.join(ATTENTION_IMPLS)}",
         )
+        check_pairs(self)
 
     def resolved_varlen_attention(self, device_type: str) -> str:
         """What `varlen_attention` does on a device type ("cpu", "cuda", ...): `auto` is
@@ -247,36 +250,6 @@ class ModelImpl:
         if self.attention == "auto" or (dropout and self.fast_dropout):
             return "eager"
         return "sdpa"
-
-    def describe(self, device_type: str, dropout: bool = True) -> str:
-        """The switches as they act on `device_type` (training with attention dropout or
-        not), for the run's start-up line."""
-        varlen = self.resolved_varlen_attention(device_type)
-        # nested tensors are always attended by SDPA (`attention` acts on the other grids)
-        attention = "sdpa" if varlen == "nested" else \
-            self.resolved_attention(device_type, dropout)
-        parts = [
-            "unpadded" if self.unpad else "padded",
-            f"varlen_attention={varlen}"
-            + (f" (auto on {device_type})" if self.varlen_attention == "auto" and self.unpad
-               else ""),
-            f"attention={attention}" + (" (nested tensors)" if varlen == "nested"
-                                        else f" (auto on {device_type})"
-                                        if self.attention == "auto"
-                                        else " (with dropout on cpu)"
-                                        if attention != self.attention else ""),
-            "sparse prediction" + (" + last layer" if self.sparse_last_layer else "")
-            if self.sparse_prediction else "dense prediction",
-        ]
-        if self.fused_qkv:
-            parts.append("fused qkv")
-        if self.fast_dropout and device_type == "cpu":
-            parts.append("fast dropout")
-        if self.gradient_checkpointing:
-            parts.append("gradient checkpointing")
-        if self.compile:
-            parts.append("torch.compile")
-        return ", ".join(parts)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> ModelImpl:

@@ -194,9 +194,16 @@ class BertEncoder(nn.Module):
             rows = subset if i == last else None
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 # Non-reentrant checkpointing restores the RNG state, so dropout masks in the
-                # recomputation equal the first pass and gradients equal the plain path.
+                # recomputation equal the first pass and gradients equal the plain path.  Its
+                # check that the recomputation saved tensors of the same shapes reads each
+                # tensor's sizes, which the nested tensors that SDPA saves have none of
+                # ("NestedTensorImpl doesn't support sizes"): off for a nested layer, whose
+                # recomputation replays the same inputs and RNG all the same.
+                nested = layer.attention.self.path(x.device.type, output_attentions).grid \
+                    == "nested"
                 x, probs = checkpoint(layer, x, layout, output_attentions, rows,
-                                      use_reentrant=False)
+                                      use_reentrant=False,
+                                      determinism_check="none" if nested else "default")
             else:
                 x, probs = layer(x, layout, output_attentions, rows)
             if output_hidden_states:
