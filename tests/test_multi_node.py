@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from test_distributed import free_port, train_records
-from test_restarts import assert_bit_equal, weights
+from test_restarts import assert_bit_equal, data, weights  # noqa: F401 (data: a fixture)
 from time_limits import hang_limit
-from train_support import write_prepared
 
 pytestmark = pytest.mark.slow  # three launches of ~20 s each on a shared 2-core machine
 
@@ -51,11 +50,6 @@ def run_nodes(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
     for r in results:
         assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return results
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    return write_prepared(str(tmp_path_factory.mktemp("prepared") / "data"), num_train=40)
 
 
 @pytest.fixture(scope="module")
