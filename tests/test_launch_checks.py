@@ -109,10 +109,12 @@ def launch_one_node(*flags: str, node_rank: int, timeout_flag: str) -> tuple:
 
 
 @pytest.mark.parametrize("flags, node_rank, timeout_flag", [
-    ((), 0, "timeout"),                           # static: the main machine waits for the other
-    ((), 1, "timeout"),                           # static: the main machine never comes
-    (("--rdzv_backend", "c10d"), 0, "join_timeout"),
-], ids=["static-main", "static-other", "c10d"])
+    pytest.param((), 0, "timeout", id="static-main"),  # the main machine waits for the other
+    pytest.param((), 1, "timeout", id="static-other",  # the main machine never comes
+                 marks=pytest.mark.slow),  # (~7 s each; the default suite keeps one case)
+    pytest.param(("--rdzv_backend", "c10d"), 0, "join_timeout", id="c10d",
+                 marks=pytest.mark.slow),
+])
 def test_a_machine_that_never_comes_is_one_line_after_the_timeout(flags, node_rank, timeout_flag):
     r, port = launch_one_node(*flags, node_rank=node_rank, timeout_flag=timeout_flag)
     lines = (r.stdout + r.stderr).strip().splitlines()
