@@ -71,7 +71,13 @@ test-slow: install-test ## Run only the slow tests (CI runs these after `make te
 test-all: install-test ## Run every test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-cuda: install-test ## Run the GPU tests (tests/test_cuda.py; needs CUDA)
+# Without a GPU every test it selects would be skipped and pytest would exit 0, which reads as a
+# pass: it fails instead, saying that nothing ran.
+test-cuda: install-test ## Run the GPU tests (tests/test_cuda.py; needs CUDA: without it, fails saying nothing ran)
+	@$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" || { \
+	  echo "make test-cuda: torch sees no CUDA device here, so no GPU test ran (this is not a pass);" \
+	    "run it on a GPU machine with a CUDA build of torch (make gpu-check runs these and more)" >&2; \
+	  exit 1; }
 	$(PY) -m pytest -q --cuda -m cuda $(PYTEST_ARGS)
 
 demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU (DEMO_STEPS=N: N steps), evaluate it, fill in two [MASK]s

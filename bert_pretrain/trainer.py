@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, TrainingError, UserError
+from .components import fault_point
 from .components.evaluation import evaluate, majority_baseline, model_inputs
 from .components.trainer_config import MIXED_PRECISION, TrainerConfig  # noqa: F401 (re-exported)
 
@@ -242,6 +243,7 @@ class Trainer:
             while not self._finished():
                 result = self.train_step()
                 self.log_step(result)
+                fault_point.reached("logged", self.step, self.rank)
                 paused = time.perf_counter()  # evaluation and saving do not eat the budget
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.can_evaluate:
                     self.run_evaluation(intermediate=not self._finished())
@@ -324,6 +326,8 @@ class Trainer:
                 if out.nsp_loss is not None:
                     loss = loss + out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp)
                 acc.backward(precision.scale(loss))
+            if j == 0:
+                fault_point.reached("step", self.step + 1, self.rank)
             sums[0] += out.mlm_loss.detach().double()
             if out.nsp_loss is not None:
                 sums[1] += out.nsp_loss.detach().double()
@@ -450,6 +454,7 @@ class Trainer:
             min(tc.eval_max_samples, split.num_instances)
         bar = progress_bar(len(range(self.rank * size, total, self.world * size)), desc="eval",
                            unit="batch", leave=False, enabled=self.main and tc.progress_bar)
+        fault_point.reached("eval", self.step, self.rank)
         result = evaluate(self.accelerator.unwrap_model(self.model), self.accelerator,
                           eval_batches(self.data, self.s.data, size, self.world, self.rank,
                                        tc.eval_max_samples), progress=bar,
@@ -489,6 +494,7 @@ class Trainer:
                          "tokenizer_sha256": self.data.tokenizer_sha256},
             config_yaml=self.config_yaml, tokenizer_dir=self.data.tokenizer_dir)
         self.last_saved = self.step
+        fault_point.reached("saved", self.step, self.rank)
         return self.last_checkpoint
 
     # ------------------------------------------------------------------ start and end

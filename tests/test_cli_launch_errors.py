@@ -54,7 +54,7 @@ def _launch(tmp_path, launcher, *overrides):
         [sys.executable, "-m", launcher, "--config_file", ACCELERATE_CONFIG,
          "--main_process_port", str(free_port()), "-m", "bert_pretrain.train",
          "experiment=smoke", f"data.dir={data}", f"run_dir={tmp_path / 'run'}",
-         f"hydra.run.dir={tmp_path / 'hydra'}", *overrides],
+         f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.cpu=true", *overrides],
         cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=hang_limit())
 
 

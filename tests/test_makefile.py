@@ -95,3 +95,23 @@ def test_the_demo_says_what_it_installs_and_pip_is_not_quiet(checkout):
     installs = [line for line in out.splitlines() if " -m pip install" in line
                 and "--upgrade pip" not in line]
     assert len(installs) == 3 and not any(" -q" in line for line in installs)
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["no-gpu", "gpu"])
+def test_test_cuda_without_a_gpu_fails_saying_nothing_ran(checkout, cuda):
+    """Without CUDA every GPU test would be skipped and pytest would exit 0 (a pass, to the
+    eye): make test-cuda fails before pytest, saying so. The stand-in python answers the CUDA
+    question as the machine would."""
+    python = checkout / ".venv" / "bin" / "python"
+    python.write_text(LOGGER + f'case "$*" in *cuda.is_available*) exit {0 if cuda else 1};; '
+                               f'esac\n')
+    make(checkout, "install-test")  # the install steps are not what is tested here
+    r = subprocess.run(["make", "--no-print-directory", "test-cuda", *TORCH], cwd=checkout,
+                       capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")})
+    calls = (checkout / ".venv" / "calls.log").read_text()
+    if cuda:
+        assert r.returncode == 0 and "python -m pytest -q --cuda -m cuda" in calls, r.stderr
+    else:
+        assert r.returncode != 0 and "-m pytest" not in calls
+        assert "no GPU test ran (this is not a pass)" in r.stderr

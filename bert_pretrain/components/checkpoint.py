@@ -44,6 +44,7 @@ import torch
 from safetensors.torch import load_model, save_model
 
 from ..errors import CheckpointError
+from . import fault_point
 from .redact import redact
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -454,6 +455,7 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
         torch.save(rng_state(), os.path.join(tmp, f"rng_state_rank{rank}.pt"))
     except OSError:
         ok = False
+    fault_point.reached("save", step, rank)  # a test's kill with the save half written
     barrier()
     if rank != 0:
         barrier()

@@ -25,12 +25,23 @@ def make_accelerator(tc):
             f"; bert-train accumulates itself: drop that setting and set "
             f"trainer.micro_batch_size (accumulation = global batch / (processes x micro))"
         )
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        # (a user's own accelerate config: the project ships none, and no engine it refuses)
+        raise ConfigError(
+            "accelerate is set up for DeepSpeed, which bert-train does not support; for "
+            "sharded training use FSDP (conf/accelerate/fsdp.yaml, docs/multi-gpu.md), "
+            "otherwise DDP (conf/accelerate/multi_gpu.yaml)")
     AcceleratorState._reset_state()  # several runs in one process (tests, sweeps)
     on_cpu = tc.cpu or not torch.cuda.is_available()
     keeps = on_cpu and tc.cpu_keep_freed_memory and keep_freed_memory()
     # Without CUDA, accelerate treats a torchrun / `accelerate launch --multi_gpu` process as
     # a lone process unless told cpu=True: N copies would each train alone into one run_dir.
     # Precision is ours (precision.py), not accelerate's: it has no loss scaling on CPU.
+    # The group is joined first, with per-attempt keys and a finite timeout (process_group.py):
+    # accelerate's own set-up breaks on a launcher's restart.
+    from .process_group import join
+
+    join("gloo" if on_cpu else "nccl", tc.process_group_timeout_s)
     acc = Accelerator(cpu=on_cpu, mixed_precision="no",
                       gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
     launched = int(os.environ.get("WORLD_SIZE", "1"))

@@ -74,6 +74,10 @@ class TrainerConfig:
     """CPU, glibc: keep freed memory in the process so big per-step tensors reuse warm pages
     instead of page-faulting fresh ones (cpu_runtime.py; ~25% off a bf16 BERT-base step).
     Speed only; resident memory stays at its peak."""
+    process_group_timeout_s: float = 1800.0
+    """Several processes: how long one waits for the others, when they join at start-up (a
+    machine that never comes) and in every collective (the others wait while the main process
+    saves a checkpoint). Past it the run stops with a one-line error instead of hanging."""
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch_size", "log_every", "checkpoint_every"):
@@ -88,6 +92,9 @@ class TrainerConfig:
             raise ValueError(f"trainer.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError("trainer.micro_batch_size must be >= 1 or null")
+        if not self.process_group_timeout_s > 0:
+            raise ValueError(f"trainer.process_group_timeout_s must be > 0, got "
+                             f"{self.process_group_timeout_s}")
         if self.budget_hours is not None and self.budget_hours <= 0:
             raise ValueError("trainer.budget_hours must be > 0 or null")
         if self.mixed_precision not in MIXED_PRECISION:

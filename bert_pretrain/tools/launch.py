@@ -1,7 +1,7 @@
 """`bert-launch`: `accelerate launch` with its own --help and a short failure report:
 
     python -m bert_pretrain.tools.launch --config_file conf/accelerate/cpu_2proc.yaml \\
-        -m bert_pretrain.train experiment=smoke data.dir=...
+        -m bert_pretrain.train experiment=smoke data.dir=... trainer.cpu=true
 
 takes exactly `accelerate launch`'s arguments.  When a process fails, plain `accelerate launch`
 (multi-process) ends in ~35 lines: torch elastic's shutdown log, a Python traceback of the
@@ -9,13 +9,18 @@ launcher itself and a ChildFailedError table, and exits 1 whatever the cause.  H
 (exit status 2: bert-train has printed its one `error:` line) ends the launch with that line
 alone and exit status 2; any other failure (a crash, a signal, out of memory) ends in one line
 naming the failed rank, its exit code and its message, with the launcher's exit status 1 (or
-the process's own status).  The workers' output itself is untouched.
+the process's own status).  The workers' output itself is untouched.  Before starting, it
+refuses in one line what bert-train cannot run (launch_checks.py: DeepSpeed; GPU processes on
+a machine without a GPU, unless trainer.cpu=true asks for CPU processes), and machines that
+never meet end in one line when the rendezvous times out.
 """
 import logging
+import os
 import subprocess
 import sys
 
 ELASTIC_API = "torch.distributed.elastic.multiprocessing.api"
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
 class _ShutdownNoise(logging.Filter):
@@ -64,6 +69,9 @@ fails: a bert-train user error ends the launch with its one `bert-train: error:`
 status 2; a crash, a signal or running out of memory, with one line naming the failed rank
 (exit status 1 or the process's own).  Plain `accelerate launch` ends both in ~35 lines of
 torch elastic's report, with exit status 1.  What the processes print is left as it is.
+It refuses in one line (exit status 2) a DeepSpeed config, a GPU launch on a machine without a
+GPU (CPU processes on purpose: add trainer.cpu=true), and machines that do not meet within the
+rendezvous timeout (--rdzv_conf timeout=SECONDS; join_timeout=SECONDS with --rdzv_backend c10d).
 
 Ready accelerate configs are in conf/accelerate/ (see README, "Multi-GPU and multi-node
 training"):
@@ -73,7 +81,7 @@ training"):
 
 Examples:
   bert-launch --config_file conf/accelerate/cpu_2proc.yaml -m bert_pretrain.train \\
-      experiment=smoke data.dir=prepared/builtin128
+      experiment=smoke data.dir=prepared/builtin128 trainer.cpu=true
   bert-launch --config_file conf/accelerate/multi_gpu.yaml --num_processes 4 \\
       -m bert_pretrain.train experiment=bert_base_phase1
   bert-launch --config_file conf/accelerate/multi_node.yaml --machine_rank $NODE_RANK \\
@@ -83,9 +91,12 @@ Examples:
 Options used most (command-line flags win over the config file):
   --config_file FILE     an accelerate config (conf/accelerate/*.yaml)
   --num_processes N      processes in all (GPUs over all machines)
-  --multi_gpu            several processes (also on CPU, where the trainer joins them over gloo)
+  --multi_gpu            several processes (on CPU too, with trainer.cpu=true: gloo)
   --num_machines N, --machine_rank R, --main_process_ip IP, --main_process_port PORT
                          a multi-machine launch: run the same command on every machine
+  --max_restarts N --rdzv_backend c10d
+                         restart all processes when one dies (up to N times); with
+                         resume=auto they continue from the last checkpoint
 Every other option is accelerate launch's: `accelerate launch --help` lists them all.
 bert-train's own settings come after -m bert_pretrain.train (`bert-train --help`)."""
 
@@ -102,11 +113,30 @@ def _parser():
     return parser
 
 
+def _quiet_cpp_logs_here() -> None:
+    """torch's C++ side logs a failed rendezvous with a 40-line C++ stack trace before Python
+    sees the error (rendezvous_failure's line says it all). It reads TORCH_CPP_LOG_LEVEL once,
+    when torch loads: set for this process only, the workers keep the user's setting."""
+    before = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = before or "FATAL"
+    import torch  # noqa: F401
+
+    if before is None:
+        del os.environ[CPP_LOG_LEVEL]
+
+
 def main(argv=None) -> None:
+    _quiet_cpp_logs_here()
     from accelerate.commands.launch import launch_command
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from .launch_checks import refusal, rendezvous_failure
+
     args = _parser().parse_args(argv)
+    line = refusal(args)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(2)
     logging.getLogger(ELASTIC_API).addFilter(_ShutdownNoise())
     try:
         launch_command(args)
@@ -114,6 +144,12 @@ def main(argv=None) -> None:
         sys.exit(_report(exc))
     except subprocess.CalledProcessError as exc:  # single-process launches
         sys.exit(exc.returncode if exc.returncode > 0 else 1)
+    except Exception as exc:  # noqa: BLE001 (only a rendezvous failure is ours to word)
+        line = rendezvous_failure(exc, args)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

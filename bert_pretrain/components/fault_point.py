@@ -1,0 +1,33 @@
+"""Named points in a training run where a test makes one process die, chosen by the step and
+phase rather than by timing: `BERT_TRAIN_FAULT=<rank>:<phase>:<step>[:TERM]` in the environment
+makes process `rank` send itself SIGKILL (or SIGTERM, a preemption) when it reaches `phase` at
+`step`.  The restart tests (tests/test_restarts.py) use it to kill a rank mid-step, during a
+save, right after one, ..., and check that the launcher's restart ends where the run that never
+stopped ends.  It fires only in the launcher's first attempt (TORCHELASTIC_RESTART_COUNT 0 or
+unset), so the restarted group runs through.  Unset, `reached` is one dictionary lookup.
+
+Phases: `step` (mid-step: after the first micro-batch's backward, before the gradients and the
+loss are reduced), `eval` (during an evaluation), `save` (during a save: the rank has written part
+of the checkpoint), `saved` (right after a checkpoint is complete), `logged` (after the step's
+metrics are written, before any save)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "BERT_TRAIN_FAULT"
+PHASES = ("step", "eval", "save", "saved", "logged")
+
+
+def reached(phase: str, step: int, rank: int) -> None:
+    """Kill this process here if BERT_TRAIN_FAULT names this rank, phase and step."""
+    spec = os.environ.get(ENV)
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[1] not in PHASES:
+        raise ValueError(f"{ENV}={spec!r}: expected <rank>:<phase>:<step>[:TERM], phase one "
+                         f"of {', '.join(PHASES)}")
+    if (int(parts[0]), parts[1], int(parts[2])) == (rank, phase, step):
+        os.kill(os.getpid(), signal.SIGTERM if parts[3:] == ["TERM"] else signal.SIGKILL)

@@ -1,0 +1,82 @@
+"""What `bert-launch` settles in one line before or instead of torch elastic's report: a launch
+bert-train cannot run (DeepSpeed; GPU processes on a machine without a GPU), and machines that
+never meet (the rendezvous timed out).  Each function returns the line to print, or None."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import os
+import warnings
+
+FSDP_POINTER = ("for sharded training use FSDP (conf/accelerate/fsdp.yaml, docs/multi-gpu.md), "
+                "otherwise DDP (conf/accelerate/multi_gpu.yaml)")
+
+
+def _resolved(args):
+    """The launch as accelerate will run it (config file and flags merged), or None when
+    accelerate itself will refuse the options (it then says why)."""
+    from accelerate.commands.launch import _validate_launch_command
+
+    quiet = io.StringIO()  # its notes on defaults come once, from the launch itself
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            resolved, _, _ = _validate_launch_command(copy.deepcopy(args))
+    except (ValueError, FileNotFoundError, OSError):
+        return None
+    finally:
+        logging.disable(logging.NOTSET)
+    return resolved
+
+
+def _asks_for_cpu(training_args: list) -> bool:
+    return any(a.lstrip("+").replace(" ", "").lower() == "trainer.cpu=true"
+               for a in training_args or [])
+
+
+def refusal(args) -> str | None:
+    """The one-line error for a launch bert-train cannot run, or None."""
+    launch = _resolved(args)
+    if launch is None:
+        return None
+    if launch.use_deepspeed:
+        return (f"bert-launch: error: {args.config_file or 'the accelerate config'} sets up "
+                f"DeepSpeed, which bert-train does not support; {FSDP_POINTER}")
+    if launch.multi_gpu and not _asks_for_cpu(launch.training_script_args):
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        machines = max(int(launch.num_machines or 1), 1)
+        local = int(launch.num_processes or 1) // machines
+        source = f"--config_file {args.config_file}" if args.config_file else "--multi_gpu"
+        return (f"bert-launch: error: {source} asks for {local} GPU process(es) on this "
+                f"machine, but torch sees no GPU here (so they would be {local} CPU processes "
+                f"on {os.cpu_count()} core(s)); for CPU processes on purpose add trainer.cpu=true "
+                f"(e.g. --config_file conf/accelerate/cpu_2proc.yaml --num_processes N "
+                f"-m bert_pretrain.train ... trainer.cpu=true), on a GPU machine check "
+                f"nvidia-smi and that torch is a CUDA build")
+    return None
+
+
+def rendezvous_failure(exc, args) -> str | None:
+    """The one-line error when the launcher's rendezvous gave up (another machine never came),
+    or None for any other exception."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    if not isinstance(exc, (DistError, RendezvousError)):
+        return None
+    address = f"{getattr(args, 'main_process_ip', None) or '127.0.0.1'}:" \
+              f"{getattr(args, 'main_process_port', None) or 29500}"
+    detail = (str(exc).strip().splitlines() or ["timed out waiting for the other machines"])[0]
+    c10d = getattr(args, "rdzv_backend", "static") == "c10d"
+    return (f"bert-launch: error: the machines did not meet at {address} ({detail}); check that "
+            f"the same command runs on every machine (--num_machines, each with its own "
+            f"--machine_rank), that --main_process_ip and --main_process_port name the main "
+            f"machine and that port is open from the others; to wait longer pass --rdzv_conf "
+            f"{'join_timeout' if c10d else 'timeout'}=SECONDS")

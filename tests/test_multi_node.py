@@ -1,0 +1,91 @@
+"""Several machines, for real: two launchers started as two nodes of one job on this machine
+(`--nnodes 2 --node_rank 0/1`, one process each, rendezvous on localhost) train exactly what one
+launcher with 2 processes trains: the same loss at every step and the same final weights, bit
+for bit (the same two ranks compute the same sums over gloo, whichever launcher started them).
+Once with torchrun and the c10d rendezvous, once with bert-launch and conf/accelerate/
+multi_node.yaml (static rendezvous, --machine_rank)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_distributed import free_port, train_records
+from test_restarts import assert_bit_equal, data, weights  # noqa: F401 (data: a fixture)
+from time_limits import hang_limit
+
+pytestmark = pytest.mark.slow  # three launches of ~20 s each on a shared 2-core machine
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 10
+RUN = ["experiment=smoke", f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8",
+       "trainer.mixed_precision=no", "trainer.log_every=1", "trainer.eval_every=5",
+       "trainer.checkpoint_every=5", "trainer.progress_bar=false", "trainer.report=false",
+       "trainer.cpu=true", "trainer.process_group_timeout_s=120"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+       "WANDB_SILENT": "true"}
+
+
+def training(data: str, run_dir: Path) -> list[str]:
+    return ["-m", "bert_pretrain.train", *RUN, f"data.dir={data}", f"run_dir={run_dir}"]
+
+
+def run_nodes(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Start every node's launcher at once and wait for all (each with the test's limit)."""
+    procs = [subprocess.Popen(c, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in commands]
+    results = []
+    try:
+        for c, p in zip(commands, procs):
+            out, err = p.communicate(timeout=hang_limit())
+            results.append(subprocess.CompletedProcess(c, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for r in results:
+        assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def one_launcher(data, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    r, = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                     "--master_port", str(free_port()), *training(data, run_dir)]])
+    assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in r.stdout
+    return run_dir
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    a, b = train_records(one), train_records(two)
+    assert sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        for key in ("loss", "mlm_loss", "nsp_loss", "tokens_seen"):
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+    assert_bit_equal(weights(one, STEPS), weights(two, STEPS))
+
+
+def test_two_torchrun_nodes_train_what_one_launcher_trains(data, one_launcher, tmp_path):
+    run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    results = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                          "--node_rank", str(node), "--nproc_per_node", "1", "--rdzv-backend",
+                          "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
+                          *training(data, run_dir)] for node in (0, 1)])
+    # one run of 2 processes: the main process (on node 0) reports, once
+    assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in results[0].stdout
+    assert sum(r.stdout.count(f"finished at step {STEPS}") for r in results) == 1
+    assert_same_run(one_launcher, run_dir)
+
+
+def test_two_bert_launch_machines_train_what_one_launcher_trains(data, one_launcher, tmp_path):
+    run_dir, port = tmp_path / "run", free_port()
+    run_nodes([[sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
+                str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
+                "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
+                "--main_process_port", str(port), *training(data, run_dir)] for node in (0, 1)])
+    assert_same_run(one_launcher, run_dir)
