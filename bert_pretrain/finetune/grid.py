@@ -3,6 +3,8 @@ FineTune in `<out_dir>/lr<lr>-seed<seed>/`, then the medians over seeds, the bes
 (by the median of the task's score on its dev set, as the BERT paper chose) and finetune.json.
 
 Layout of out_dir:
+    .hydra/                   the record of the command that wrote finetune.json (of the first
+                              one, until then)
     identity.json             what the grid is of (identity.py): the pretrained model's content
                               hash, init, the task and its data's hash, the recipe but for its
                               rates and seeds (so that adding seeds reuses the finished runs); an
@@ -30,6 +32,7 @@ import statistics
 import sys
 import time
 
+from ..command_record import write_record
 from . import scoring
 from .batches import encode
 from .identity import claim, holds, read_identity
@@ -89,6 +92,8 @@ def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     out_dir = session.broadcast(
         claim(out_dir, job.identity, "a fine-tune", lambda m: say(f"bert-finetune: note: {m}"))
         if session.main else None)
+    if session.main:  # the record of the command goes with its results (command_record.py)
+        write_record(out_dir, job.config_yaml)
     start = time.perf_counter()
     results, runs = [], {}
     total = len(recipe.lrs) * len(recipe.seeds)
@@ -104,8 +109,9 @@ def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     summary = summarize(job, results, out_dir, time.perf_counter() - start, session)
     if s.trainer.save_model == "best":
         summary["model_dir"] = _keep_median_model(session, job, summary, runs, say)
-    if session.main:
+    if session.main:  # (a rerun of the same grid with other seeds rewrites both)
         _write_json(os.path.join(out_dir, SUMMARY_FILE), summary)
+        write_record(out_dir, job.config_yaml, replace=True)
     session.barrier()
     return summary
 

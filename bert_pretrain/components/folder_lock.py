@@ -1,0 +1,65 @@
+"""One writer per output folder: bert-train's run folder, bert-prep's output_dir.
+
+Two commands writing one folder at once would each report success over the other's files.  The
+writer holds an exclusive `flock` on a lock file inside the folder for as long as it runs; a
+second command finds it held and stops with one line.  The kernel releases the lock when its
+process ends in any way (kill -9 included), so a restart is never blocked by a stale lock, and
+the file left behind means nothing by itself.  (flock over NFS is only as good as the NFS
+client: on such a folder two hosts must still not be pointed at one run.)
+
+    lock = lock_folder(run_dir, "bert-train")   # raises FolderBusy: another one writes it
+    ...
+    lock.release()                              # or let the process end
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from ..errors import UserError
+
+LOCK_FILE = ".lock"
+
+
+class FolderBusy(UserError):
+    """Another live process writes the folder."""
+
+
+class FolderLock:
+    def __init__(self, fd: int, path: str):
+        self.fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # (closing the descriptor drops the flock)
+            self.fd = None
+
+
+def _holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+    return f" (process {text})" if text.isdigit() else ""
+
+
+def lock_folder(folder: str, command: str, name: str = LOCK_FILE) -> FolderLock:
+    """Hold `folder`'s lock (creating the folder and the lock file if needed) or raise
+    FolderBusy naming the process that holds it."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise FolderBusy(f"{folder} is being written by another {command}{holder}; wait for it "
+                         f"to finish, or choose another folder") from None
+    except OSError:  # a file system without flock: run unguarded rather than not at all
+        os.close(fd)
+        return FolderLock(None, path)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # who holds it, for the other's message
+    return FolderLock(fd, path)
