@@ -4,7 +4,9 @@ Two commands writing one folder at once would each report success over the other
 writer holds an exclusive `flock` on a lock file inside the folder for as long as it runs; a
 second command finds it held and stops with one line.  The kernel releases the lock when its
 process ends in any way (kill -9 included), so a restart is never blocked by a stale lock, and
-the file left behind means nothing by itself.  (flock over NFS is only as good as the NFS
+the file left behind (empty, or the pid of a killed holder) means nothing by itself; it is never
+deleted, as a deleted lock file lets a third command lock a new one while the second still
+holds the old.  (flock over NFS is only as good as the NFS
 client: on such a folder two hosts must still not be pointed at one run.)
 
     lock = lock_folder(run_dir, "bert-train")   # raises FolderBusy: another one writes it
@@ -32,6 +34,10 @@ class FolderLock:
 
     def release(self) -> None:
         if self.fd is not None:
+            try:  # empty again: a folder's files stay the same bytes from run to run
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
             os.close(self.fd)  # (closing the descriptor drops the flock)
             self.fd = None
 
