@@ -358,7 +358,8 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     plan_dir = os.path.join(work, "plan")
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
-                          cfg.dupe_factor, cfg.seed, cfg.next_sentence_prediction)
+                          cfg.dupe_factor, cfg.seed, cfg.next_sentence_prediction,
+                          corpus_mod.how_to_get_more_documents(cfg.corpus))
         tmp = plan_dir + tmp_suffix()
         shutil.rmtree(tmp, ignore_errors=True)
         try:
