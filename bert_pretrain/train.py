@@ -121,6 +121,11 @@ def main() -> None:
         raise
     if main_process:
         sys.stderr.write(captured.getvalue())
+    from .sweep_check import refused_sweep
+
+    refused = refused_sweep(CONF_DIR, sys.argv[1:])
+    if refused:
+        _fail(refused)
     _run()
 
 
