@@ -569,17 +569,6 @@ def _has_results(run_dir: str) -> bool:
                for name in ("checkpoints", "metrics.jsonl", "wandb"))
 
 
-def _first_missing(path: str) -> Optional[str]:
-    """The outermost folder of `path` that does not exist yet (None: it all exists)."""
-    path, missing = os.path.abspath(path), None
-    while not os.path.exists(path):
-        missing, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
-
-
 def remove_unused_run_dir(run_dir: str, created: Optional[str] = None) -> None:
     """A run that failed before training leaves no directory behind (only what its log and an
     unheld lock wrote, never anything with results), nor the empty parents it made (`created`:
@@ -606,10 +595,10 @@ def remove_unused_run_dir(run_dir: str, created: Optional[str] = None) -> None:
 def train(s, resolved_config: dict, config_yaml: str) -> float:
     """Run pretraining as configured by `s` (config.Settings); returns the final objective."""
     from .command_record import write_record
-    from .components.folder_lock import FolderBusy
+    from .components.folder_lock import FolderBusy, first_missing
 
     had_results = os.path.isdir(s.run_dir) and _has_results(s.run_dir)
-    created = _first_missing(s.run_dir)
+    created = first_missing(s.run_dir)
     try:
         trainer = Trainer(s, resolved_config, config_yaml)
     except UserError as exc:

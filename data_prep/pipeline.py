@@ -25,7 +25,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from bert_pretrain.components.folder_lock import LOCK_FILE
+from bert_pretrain.components.folder_lock import LOCK_FILE, first_missing
 from data_prep import corpus as corpus_mod
 from data_prep.config import PrepConfig
 from data_prep.errors import PrepError, PrepIOError, os_error
@@ -270,7 +270,7 @@ def run(cfg: PrepConfig) -> Optional[dict]:
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepError(f"output_dir={cfg.output_dir!r} is an existing file, not a directory: "
                         "choose a directory path (nothing was written)")
-    created = not os.path.exists(out)
+    created = first_missing(out)
     try:
         lock = _lock(cfg, out)
     except OSError as e:
@@ -281,7 +281,7 @@ def run(cfg: PrepConfig) -> Optional[dict]:
         raise         # disk full, permissions: what is done is kept for the re-run
     except PrepError:
         if created:   # a bad input found on the first run leaves nothing behind
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(created, ignore_errors=True)  # (the parents it made included)
         raise
     except OSError as e:   # a read or write of the output dir the steps did not name
         raise os_error(e, f"output_dir={cfg.output_dir!r}", out) from None

@@ -20,7 +20,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs each command's main() with its argv in this child, in the working directory given, and
 # prints one JSON line per command: its exit status and what it said on stderr.
 CHILD = r"""
-import contextlib, importlib, io, json, sys
+import contextlib, importlib, io, json, os, sys
+
+def paths():
+    return sorted(os.path.relpath(os.path.join(d, n)) for d, ds, fs in os.walk(".")
+                  for n in ds + fs)
+
 for prog, module, argv in json.loads(sys.argv[1]):
     err = io.StringIO()
     sys.argv = [prog, *argv]
@@ -30,15 +35,17 @@ for prog, module, argv in json.loads(sys.argv[1]):
             importlib.import_module(module).main()
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    print("RESULT " + json.dumps({"code": code, "err": err.getvalue()}), flush=True)
+    print("RESULT " + json.dumps({"code": code, "err": err.getvalue(), "paths": paths()}),
+          flush=True)
 """
 
 MODULES = {"bert-train": "bert_pretrain.train", "bert-finetune": "bert_pretrain.finetune.cli",
            "bert-glue": "bert_pretrain.finetune.glue", "bert-prep": "data_prep.build"}
 
 
-def run_commands(cwd, commands: list) -> list:
-    """[(exit status, stderr)] of each [prog, *argv] run in `cwd`, in one child process."""
+def run_commands(cwd, commands: list, with_paths: bool = False) -> list:
+    """[(exit status, stderr)] of each [prog, *argv] run in `cwd`, in one child process (and
+    what is under `cwd` after it, with_paths)."""
     spec = [(c[0], MODULES[c[0]], list(c[1:])) for c in commands]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], cwd=str(cwd), env=env,
@@ -46,7 +53,8 @@ def run_commands(cwd, commands: list) -> list:
     results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines()
                if line.startswith("RESULT ")]
     assert len(results) == len(commands), p.stdout[-3000:] + p.stderr[-3000:]
-    return [(r["code"], r["err"]) for r in results]
+    return [(r["code"], r["err"], r["paths"]) if with_paths else (r["code"], r["err"])
+            for r in results]
 
 
 def tree(root) -> dict:
@@ -69,9 +77,12 @@ def overrides(folder) -> list:
 
 def test_refused_commands_leave_the_working_directory_as_it_was(tmp_path):
     """Each command is refused (no model, a model that is not there, a text file for data.dir,
-    a misspelt or old key, a corpus file that is not there): exit 2, one line, and nothing new
-    under the working directory (Hydra's folder with its .hydra/ record was left behind)."""
+    a misspelt or old key, a corpus file that is not there or empty, a checkpoint that is not
+    there): exit 2, one line, and nothing new under the working directory (Hydra's folder with
+    its .hydra/ record was left behind, and a refused run's or prep's parent folders)."""
     (tmp_path / "notes.txt").write_text("a text file, not a prepared folder\n")
+    (tmp_path / "empty.txt").write_text("")
+    prepared = write_prepared(str(tmp_path / "prep"), num_train=16, num_valid=4)
     before = tree(tmp_path)
     commands = [
         ["bert-finetune", "task=sst2"],
@@ -82,11 +93,18 @@ def test_refused_commands_leave_the_working_directory_as_it_was(tmp_path):
         ["bert-train", "data_dir=prepared/x"],          # bert-finetune's spelling
         ["bert-train", "trainer.max_step=3"],
         ["bert-prep", "corpus=text", "corpus.paths=[missing.txt]", "output_dir=prepared/x"],
+        # refused once they have made their folders (the run's log and lock, the prep's lock):
+        # the folders and the parents they made go again
+        ["bert-prep", "corpus=text", "corpus.paths=[empty.txt]", "output_dir=prepared/x",
+         "progress=false"],
+        ["bert-train", "experiment=smoke", f"data.dir={prepared}", "run_dir=runs/new/run",
+         "resume=runs/old/checkpoints/step-00000002"],
     ]
-    for command, (code, err) in zip(commands, run_commands(tmp_path, commands)):
+    for command, (code, err, after) in zip(commands, run_commands(tmp_path, commands, True)):
         lines = [line for line in err.splitlines() if line.strip()]
         assert code == 2 and len(lines) == 1 and ": error: " in lines[0], (command, err)
-        assert tree(tmp_path) == before, (command, sorted(set(tree(tmp_path)) - set(before)))
+        assert set(after) == set(before), (command, sorted(set(after) ^ set(before)))
+    assert tree(tmp_path) == before  # (every file's bytes too)
 
 
 def test_a_fine_tune_with_other_settings_takes_its_record_beside(tmp_path):

@@ -42,6 +42,18 @@ class FolderLock:
             self.fd = None
 
 
+def first_missing(path: str):
+    """The outermost folder of `path` that does not exist yet (None: it all exists): what a
+    command that makes `path` and is then refused removes to leave nothing behind."""
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
 def _holder(fd: int) -> str:
     try:
         text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
