@@ -41,6 +41,9 @@ class FolderLock:
             os.close(self.fd)  # (closing the descriptor drops the flock)
             self.fd = None
 
+    def __del__(self):  # a holder dropped without release() (a test's trainer never fitted)
+        self.release()
+
 
 def first_missing(path: str):
     """The outermost folder of `path` that does not exist yet (None: it all exists): what a
