@@ -105,11 +105,15 @@ def test_a_second_bert_train_into_one_run_folder_stops_in_one_line(tmp_path):
             "trainer.report=false", "resume=auto"]
     first = hold(tmp_path, "bert_pretrain.train", "bert_pretrain.trainer.Trainer:fit", args)
     try:
+        # a save the first one has in progress: the second must not "repair" it away
+        saving = tmp_path / "run" / "checkpoints" / ".tmp-step-00000002"
+        saving.mkdir(parents=True)
+        (saving / "model.safetensors").write_bytes(b"being written")
         before = files(tmp_path / "run")
         p = command(tmp_path, "bert-train", args)
         line = one_error_line(p, "bert-train")
         assert f"is being written by another bert-train (process {first.pid})" in line, line
-        assert files(tmp_path / "run") == before
+        assert files(tmp_path / "run") == before and saving.is_dir()
         out, err = first.communicate("go\n", timeout=600)
         assert first.returncode == 0, err[-3000:]
     finally:
