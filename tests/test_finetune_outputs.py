@@ -446,3 +446,22 @@ def test_a_model_replaced_by_a_killed_save_is_whole_after_recovery(tmp_path):
     save_classifier(model, data, pretrained, out_dir, {"lr": 1, "seed": 2})
     assert torch.equal(_weights(out_dir)["classifier.weight"], model.classifier.weight.detach())
     assert sorted(os.listdir(tmp_path / "run")) == ["model"]
+
+
+def test_a_second_fine_tune_of_the_same_grid_at_once_stops_in_one_line(run, task, tmp_path):
+    """The claim lets the same identity in (a rerun continues it): while another command holds
+    the folder, the second stops with one line instead of writing the same runs along."""
+    from bert_pretrain.components.folder_lock import lock_folder
+    from bert_pretrain.errors import UserError
+
+    out = tmp_path / "out"
+    args = [*task, f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={out}"]
+    first = finetune_in_process(args)
+    held = lock_folder(str(out), "bert-finetune")  # (as another process would: a new open file)
+    try:
+        with pytest.raises(UserError, match=r"is being written by another bert-finetune "
+                                            r"\(process \d+\); wait for it"):
+            finetune_in_process(args)
+    finally:
+        held.release()
+    assert finetune_in_process(args)["score"] == first["score"]

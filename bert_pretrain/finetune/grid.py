@@ -87,13 +87,40 @@ def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     """Every (lr, seed) fine-tune of the recipe, then the summary (also written to
     <out_dir>/finetune.json by the main process). `out_dir` is claimed for the job's identity
     (identity.py): the summary's out_dir is where it went."""
+    out_dir, lock = _claim_and_lock(session, job, out_dir, say)
+    try:
+        return _run_grid(session, job, out_dir, say)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_and_lock(session: Session, job: Job, out_dir: str, say):
+    """The main process claims out_dir for the job's identity (another identity goes beside)
+    and locks it: a second command of the same identity at once (which the claim lets in)
+    stops in one line instead of writing the same runs along.  Every process gets the folder,
+    or the error."""
+    from ..components.folder_lock import lock_folder
+    from ..errors import UserError
+
+    claimed, lock = (None, None), None
+    if session.main:
+        try:
+            claimed = (claim(out_dir, job.identity, "a fine-tune",
+                             lambda m: say(f"bert-finetune: note: {m}")), None)
+            lock = lock_folder(claimed[0], "bert-finetune")
+            write_record(claimed[0], job.config_yaml)  # the record goes with the results
+        except UserError as exc:
+            claimed = (None, str(exc))
+    out_dir, error = session.broadcast(claimed)
+    if error is not None:
+        raise UserError(error)
+    return out_dir, lock
+
+
+def _run_grid(session: Session, job: Job, out_dir: str, say) -> dict:
     s, data = job.settings, job.data
     recipe = s.recipe
-    out_dir = session.broadcast(
-        claim(out_dir, job.identity, "a fine-tune", lambda m: say(f"bert-finetune: note: {m}"))
-        if session.main else None)
-    if session.main:  # the record of the command goes with its results (command_record.py)
-        write_record(out_dir, job.config_yaml)
     start = time.perf_counter()
     results, runs = [], {}
     total = len(recipe.lrs) * len(recipe.seeds)
