@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from finetune_support import FAST, pretrained_run, sentence_task
+from finetune_support import FAST, pretrained_run, sentence_task, write_glue_task
 from train_support import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,18 +109,28 @@ def test_refused_commands_leave_the_working_directory_as_it_was(tmp_path):
 
 def test_a_fine_tune_with_other_settings_takes_its_record_beside(tmp_path):
     """o1 holds epochs=2 results: the epochs=3 rerun goes to o1-2 with its own record, o1's
-    record is the epochs=2 command's still; a bert-train rerun refused (the run folder has
-    checkpoints) leaves the run's record as it was."""
+    record is the epochs=2 command's still (bert-glue's grids alike); a bert-train rerun refused
+    (the run folder has checkpoints) leaves the run's record as it was."""
     run = pretrained_run(str(tmp_path / "pretrained"))
     task = sentence_task(str(tmp_path / "task"), n_train=32, n_dev=16)
     prepared = write_prepared(str(tmp_path / "prep"), num_train=32, num_valid=8)
     base = ["bert-finetune", *task, f"model={run}", *FAST, "out_dir=o1"]
     train = ["bert-train", "experiment=smoke", f"data.dir={prepared}", "run_dir=r1",
              "trainer.checkpoint_every=2", "trainer.warmup_steps=1", "trainer.eval_every=0", "trainer.report=false"]
+    glue_data = str(tmp_path / "glue_data")
+    write_glue_task(glue_data, "sst2", n_train=32, n_dev=16)
+    glue = ["bert-glue", f"models=[{run}]", "tasks=[sst2]", f"data_dir={glue_data}", *FAST,
+            "out_dir=g"]
     results = run_commands(tmp_path, [
         base + ["recipe.epochs=2"], base + ["recipe.epochs=3"],
-        train + ["trainer.max_steps=2"], train + ["trainer.max_steps=3"]])
-    assert [code for code, _ in results] == [0, 0, 0, 2], results
+        train + ["trainer.max_steps=2"], train + ["trainer.max_steps=3"],
+        glue + ["recipe.epochs=2"], glue + ["recipe.epochs=3"]])
+    assert [code for code, _ in results] == [0, 0, 0, 2, 0, 0], results
+    # bert-glue: each grid's folder has the record of its results; the report's folder, of the
+    # command that wrote the report (the last)
+    assert "recipe.epochs=2" in overrides(tmp_path / "g" / "run" / "sst2")
+    assert "recipe.epochs=3" in overrides(tmp_path / "g" / "run" / "sst2-2")
+    assert "recipe.epochs=3" in overrides(tmp_path / "g")
     assert "already has checkpoints" in results[3][1]
     assert "recipe.epochs=2" in overrides(tmp_path / "o1")
     assert "recipe.epochs=3" in overrides(tmp_path / "o1-2")
