@@ -83,6 +83,14 @@ def _take(directory: str, identity: dict) -> bool:
         return True
     except FileExistsError:
         return False
+    except OSError:  # a file system without hard links: create-if-absent, then fill it in
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(identity, f, indent=2)
+        return True
     finally:
         os.unlink(tmp)
 
