@@ -107,6 +107,7 @@ def test_refused_commands_leave_the_working_directory_as_it_was(tmp_path):
     assert tree(tmp_path) == before  # (every file's bytes too)
 
 
+@pytest.mark.slow  # (a pretraining, 4 fine-tuning grids and 2 trainings: ~1 min on 2 cores)
 def test_a_fine_tune_with_other_settings_takes_its_record_beside(tmp_path):
     """o1 holds epochs=2 results: the epochs=3 rerun goes to o1-2 with its own record, o1's
     record is the epochs=2 command's still (bert-glue's grids alike); a bert-train rerun refused
