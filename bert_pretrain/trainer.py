@@ -569,25 +569,27 @@ def _has_results(run_dir: str) -> bool:
                for name in ("checkpoints", "metrics.jsonl", "wandb"))
 
 
-def remove_unused_run_dir(run_dir: str, created: Optional[str] = None) -> None:
-    """A run that failed before training leaves no directory behind (only what its log and an
-    unheld lock wrote, never anything with results), nor the empty parents it made (`created`:
-    the outermost of them). Under a launcher the main process does it, and the others must not
-    race it."""
-    from .components.folder_lock import LOCK_FILE
+def remove_unused_run_dir(run_dir: str, created: Optional[str]) -> None:
+    """A run that failed before training leaves no directory behind: the folders it made
+    (`created`: the outermost of them; None: it made none), when they hold only what its log
+    and lock wrote, never anything with results, nor a folder another live bert-train holds.
+    Under a launcher the main process does it, and the others must not race it."""
+    from .components.folder_lock import LOCK_FILE, FolderBusy, lock_folder
 
-    if os.environ.get("RANK", "0") != "0":
+    if os.environ.get("RANK", "0") != "0" or created is None or not os.path.isdir(run_dir):
         return
     try:
-        if os.path.isdir(run_dir) and not _has_results(run_dir) and \
-                set(os.listdir(run_dir)) <= {".hydra", "train.log", LOCK_FILE}:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        if created is not None:
-            parent = os.path.dirname(os.path.abspath(run_dir))
-            while len(parent) >= len(created) and os.path.isdir(parent) and \
-                    not os.listdir(parent):
-                os.rmdir(parent)
-                parent = os.path.dirname(parent)
+        if _has_results(run_dir) or not set(os.listdir(run_dir)) <= {"train.log", LOCK_FILE}:
+            return
+        try:
+            lock_folder(run_dir, "bert-train").release()
+        except FolderBusy:  # another run started in it meanwhile: it is that run's
+            return
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while len(parent) >= len(created) and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
+            parent = os.path.dirname(parent)
     except OSError:  # cleaning up is a courtesy: never let it hide the real error
         pass
 
@@ -597,7 +599,6 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     from .command_record import write_record
     from .components.folder_lock import FolderBusy, first_missing
 
-    had_results = os.path.isdir(s.run_dir) and _has_results(s.run_dir)
     created = first_missing(s.run_dir)
     try:
         trainer = Trainer(s, resolved_config, config_yaml)
@@ -605,7 +606,7 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
         from .components.runlog import close_run_log
 
         close_run_log()
-        if not had_results and not isinstance(exc, FolderBusy):  # (busy: the other run's)
+        if not isinstance(exc, FolderBusy):  # (busy: the folder is the other run's)
             remove_unused_run_dir(s.run_dir, created)
         raise
     if trainer.main:  # the run folder is this run's now (new, or continued by resume)
