@@ -109,7 +109,7 @@ gpu-check: ## GPU machine only: tests, bench, train, GLUE in 8 min (bench/gpu_ch
 	  $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean: ## Remove everything the commands wrote (prepared data, runs, sweeps, results); keeps .venv
-	rm -rf prepared runs outputs multirun exported bench/results gpu-check .pytest_cache
+	rm -rf prepared runs outputs multirun exported finetune glue reports maps.png bench/results gpu-check .pytest_cache
 
 clean-venv: ## Remove .venv (then any target reinstalls, e.g. with another TORCH_INDEX)
 	rm -rf $(VENV)
