@@ -117,7 +117,8 @@ def test_a_fine_tune_with_other_settings_takes_its_record_beside(tmp_path):
     prepared = write_prepared(str(tmp_path / "prep"), num_train=32, num_valid=8)
     base = ["bert-finetune", *task, f"model={run}", *FAST, "out_dir=o1"]
     train = ["bert-train", "experiment=smoke", f"data.dir={prepared}", "run_dir=r1",
-             "trainer.checkpoint_every=2", "trainer.warmup_steps=1", "trainer.eval_every=0", "trainer.report=false"]
+             "trainer.checkpoint_every=2", "trainer.warmup_steps=1", "trainer.eval_every=0",
+             "trainer.report=false"]
     glue_data = str(tmp_path / "glue_data")
     write_glue_task(glue_data, "sst2", n_train=32, n_dev=16)
     glue = ["bert-glue", f"models=[{run}]", "tasks=[sst2]", f"data_dir={glue_data}", *FAST,
