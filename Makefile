@@ -80,7 +80,7 @@ test-cuda: install-test ## Run the GPU tests (tests/test_cuda.py; needs CUDA: wi
 	  exit 1; }
 	$(PY) -m pytest -q --cuda -m cuda $(PYTEST_ARGS)
 
-demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU (DEMO_STEPS=N: N steps), evaluate it, fill in two [MASK]s
+demo: install ## Prepare the built-in corpus, train a small BERT for 3 minutes on CPU (DEMO_STEPS=N: N steps), evaluate it, fill in two [MASK]s (the first run installs .venv first)
 	$(VENV)/bin/bert-prep corpus=builtin output_dir=$(DEMO_DATA) validation_fraction=0.05 max_seq_length=64 max_predictions_per_seq=10 tokenizer.vocab_size=8192
 	$(VENV)/bin/bert-train experiment=demo $(DEMO_TRAIN_ARGS)
 	@echo "make: the demo model fills in two [MASK]s$(if $(DEMO_STEPS),,; on a busy machine 3 minutes give fewer steps and worse answers: make demo DEMO_STEPS=3700 trains the steps of the README's run)"
@@ -96,11 +96,14 @@ bench: install-test ## Run the benchmarks (tables on stdout, JSON under bench/re
 	$(PY) bench/bench_prep.py
 	$(PY) bench/bench_model.py
 
-# The GPU machine has its own Python (no venv, no internet): the packages it lacks are staged
-# here first with ../shared/gpu/stage_wheels.sh (into .whl/) and installed into /tmp/site.
+# For the GPU machine only, which has its own Python (no venv, no internet): this target
+# installs into GPU_PYTHON (python3 on PATH, not .venv): the project, editable and without its
+# dependencies, and the packages that Python lacks, staged here first with
+# ../shared/gpu/stage_wheels.sh (into .whl/) and installed into /tmp/site.  On another machine
+# it would change whatever python3 is first on PATH.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
-gpu-check: ## On a GPU machine: tests, bench, train, GLUE, suite in 8 min (bench/gpu_check.py)
+gpu-check: ## GPU machine only: tests, bench, train, GLUE in 8 min (bench/gpu_check.py); installs the project (pip -e, no deps) and .whl/ wheels into GPU_PYTHON (python3 on PATH), not .venv
 	@if [ -d .whl ]; then \
 	  echo "gpu-check: installing the staged wheels (.whl/) into /tmp/site"; \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \
@@ -112,7 +115,7 @@ gpu-check: ## On a GPU machine: tests, bench, train, GLUE, suite in 8 min (bench
 	  $(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean: ## Remove everything the commands wrote (prepared data, runs, sweeps, results); keeps .venv
-	rm -rf prepared runs outputs multirun exported bench/results gpu-check .pytest_cache
+	rm -rf prepared runs outputs multirun exported finetune glue reports maps.png bench/results gpu-check .pytest_cache
 
 clean-venv: ## Remove .venv (then any target reinstalls, e.g. with another TORCH_INDEX)
 	rm -rf $(VENV)

@@ -82,15 +82,11 @@ def _run(cfg: DictConfig) -> float:
             cfg.run_dir = HydraConfig.get().runtime.output_dir
             if cfg.logger.group is None:  # one wandb group per sweep unless one was chosen
                 cfg.logger.group = HydraConfig.get().sweep.dir
-        try:
-            s = settings(cfg)
-        except UserError:
-            if not multirun:  # (a sweep's summary lists failed members from their dirs)
-                from .trainer import remove_unused_run_dir
+            if os.environ.get("RANK", "0") == "0":  # (a sweep's summary lists its members,
+                from .command_record import write_record  # failed ones too, by their record)
 
-                # Hydra made the run directory before the settings were checked
-                remove_unused_run_dir(str(HydraConfig.get().runtime.output_dir))
-            raise
+                write_record(cfg.run_dir, OmegaConf.to_yaml(cfg, resolve=True))
+        s = settings(cfg)  # (a single run's Hydra made no folder: a refusal leaves none)
         from .trainer import train
 
         return train(s, OmegaConf.to_container(cfg, resolve=True),
@@ -125,6 +121,11 @@ def main() -> None:
         raise
     if main_process:
         sys.stderr.write(captured.getvalue())
+    from .sweep_check import refused_sweep
+
+    refused = refused_sweep(CONF_DIR, sys.argv[1:])
+    if refused:
+        _fail(refused)
     _run()
 
 

@@ -70,12 +70,18 @@ class Trainer:
         self.s, self.tc = s, s.trainer
         self.resolved_config, self.config_yaml = resolved_config, config_yaml
         self.window = LogWindow()
+        self.run_lock = None
         self._setup_accelerator()
         self._setup_data()
         self._setup_model()
         self._check_objective()
-        self._setup_run()
-        self._setup_optimizer_and_resume()
+        try:
+            self._setup_run()
+            self._setup_optimizer_and_resume()
+        except BaseException:  # refused: the run folder is free for the next command at once
+            if self.run_lock is not None:
+                self.run_lock.release()
+            raise
         # Loop state; `fit` adds the progress bar and the signal handlers.
         self.stop, self.bar, self.stopped_early, self.nonfinite = None, None, False, 0
         for note in self.import_notes:
@@ -146,11 +152,16 @@ class Trainer:
                                              barrier=self.accelerator.wait_for_everyone,
                                              warn=lambda m: self.log.warning(
                                                  f"bert-train: warning: {m}"))
-        # The main process repairs interrupted saves, then finds and verifies the checkpoint
-        # (hashing every file), and tells the others.
+        # The main process locks the run folder (a second bert-train into it stops here, before
+        # repair() could remove the temp files of the first one's save in progress), repairs
+        # interrupted saves, then finds and verifies the checkpoint (hashing every file), and
+        # tells the others.  Rank 0 of the whole job only: the folder is shared by every node.
         found = [None, None]  # path, or the error every process must raise
         if self.main:
             try:
+                from .components.folder_lock import lock_folder
+
+                self.run_lock = lock_folder(self.run_dir, "bert-train")
                 self.checkpoints.repair()
                 found[0] = self.checkpoints.find(s.resume)
             except UserError as exc:
@@ -555,6 +566,8 @@ class Trainer:
         self.metrics.close()
         close_run_log()
         self.accelerator.end_training()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 def _has_results(run_dir: str) -> bool:
@@ -562,30 +575,46 @@ def _has_results(run_dir: str) -> bool:
                for name in ("checkpoints", "metrics.jsonl", "wandb"))
 
 
-def remove_unused_run_dir(run_dir: str) -> None:
-    """A run that failed before training leaves no directory behind (only what Hydra and the
-    log wrote, never anything with results). Under a launcher the main process does it, and
-    the others must not race it."""
-    if os.environ.get("RANK", "0") != "0":
+def remove_unused_run_dir(run_dir: str, created: Optional[str]) -> None:
+    """A run that failed before training leaves no directory behind: the folders it made
+    (`created`: the outermost of them; None: it made none), when they hold only what its log
+    and lock wrote, never anything with results, nor a folder another live bert-train holds.
+    Under a launcher the main process does it, and the others must not race it."""
+    from .components.folder_lock import LOCK_FILE, FolderBusy, lock_folder
+
+    if os.environ.get("RANK", "0") != "0" or created is None or not os.path.isdir(run_dir):
         return
     try:
-        if os.path.isdir(run_dir) and not _has_results(run_dir) and \
-                set(os.listdir(run_dir)) <= {".hydra", "train.log"}:
-            shutil.rmtree(run_dir, ignore_errors=True)
+        if _has_results(run_dir) or not set(os.listdir(run_dir)) <= {"train.log", LOCK_FILE}:
+            return
+        try:
+            lock_folder(run_dir, "bert-train").release()
+        except FolderBusy:  # another run started in it meanwhile: it is that run's
+            return
+        shutil.rmtree(run_dir, ignore_errors=True)
+        parent = os.path.dirname(os.path.abspath(run_dir))
+        while len(parent) >= len(created) and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
+            parent = os.path.dirname(parent)
     except OSError:  # cleaning up is a courtesy: never let it hide the real error
         pass
 
 
 def train(s, resolved_config: dict, config_yaml: str) -> float:
     """Run pretraining as configured by `s` (config.Settings); returns the final objective."""
-    had_results = os.path.isdir(s.run_dir) and _has_results(s.run_dir)
+    from .command_record import write_record
+    from .components.folder_lock import FolderBusy, first_missing
+
+    created = first_missing(s.run_dir)
     try:
         trainer = Trainer(s, resolved_config, config_yaml)
-    except UserError:
+    except UserError as exc:
         from .components.runlog import close_run_log
 
         close_run_log()
-        if not had_results:
-            remove_unused_run_dir(s.run_dir)
+        if not isinstance(exc, FolderBusy):  # (busy: the folder is the other run's)
+            remove_unused_run_dir(s.run_dir, created)
         raise
+    if trainer.main:  # the run folder is this run's now (new, or continued by resume)
+        write_record(s.run_dir, trainer.config_yaml, replace=True)
     return trainer.fit()

@@ -334,3 +334,20 @@ def fingerprint(cfg, exclude: Optional[str] = None) -> dict:
         return {"python": sys.version.split()[0],
                 **{f"package {name}": package_version(name) for name in cfg.packages}}
     return {}
+
+
+def how_to_get_more_documents(cfg) -> str:
+    """What to type for more documents from this corpus (said when it has too few): where
+    its source ends a document, and the setting that ends them elsewhere."""
+    source = getattr(cfg, "source", "")
+    if source == "documents" and cfg.document_per == "file":
+        return ("with corpus=documents each file is one document: give several files, or, for "
+                "one big file with a blank line between documents, add "
+                "corpus.document_per=blank_line")
+    if source == "documents":
+        return ("with corpus.document_per=blank_line a blank line ends a document: put one "
+                "between your documents")
+    if source == "text":
+        return ("with corpus=text a blank line (or a new file) ends a document: put one between "
+                "your documents, or use corpus=documents for files of paragraphs")
+    return "give more documents (one per row)"

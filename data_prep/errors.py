@@ -22,12 +22,19 @@ class PrepIOError(PrepError):
     that the same command resumes once the cause is fixed."""
 
 
-def os_error(exc: OSError, doing: str) -> PrepIOError:
+def os_error(exc: OSError, doing: str, folder: str = None) -> PrepIOError:
     """One line for a failed read or write: what was being done, the system's reason, the fix.
-    `doing` names the step, e.g. "writing train/shard-00003"."""
+    `doing` names the step, e.g. "writing train/shard-00003"; `folder`: where it was written
+    (a full disk is then named as such, with the folder, whatever the writer's error said)."""
+    from bert_pretrain.components.disk_space import free_text, is_disk_full
+
     where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in doing else ""
     reason = exc.strerror or type(exc).__name__
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if folder is not None and is_disk_full(exc, folder):  # (numpy's short write has no errno)
+        where, reason = "", "No space left on device"
+        fix = (f"free some space ({free_text(folder)}) or choose another output_dir, then "
+               f"{RESUME_HINT}")
+    elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
         fix = f"free some space (or choose another output_dir), then {RESUME_HINT}"
     elif exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = "choose an output_dir you can write to, or fix the permissions"

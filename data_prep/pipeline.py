@@ -25,6 +25,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from bert_pretrain.components.folder_lock import LOCK_FILE, first_missing
 from data_prep import corpus as corpus_mod
 from data_prep.config import PrepConfig
 from data_prep.errors import PrepError, PrepIOError, os_error
@@ -67,17 +68,33 @@ def _sentence_batches(cfg, size: int = 4096, exclude: Optional[str] = None
         yield batch
 
 
+def _contents(out: str) -> list:
+    """What output_dir holds but for the writers' lock files (bert_pretrain's folder_lock)."""
+    return [n for n in os.listdir(out) if not n.startswith(LOCK_FILE)]
+
+
+def _empty(out: str) -> None:
+    """Delete output_dir's contents, keeping the lock files: deleting the one this command
+    holds would let a second command take a new one and write along."""
+    for name in _contents(out):
+        path = os.path.join(out, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+
+
 def _prepare_output_dir(cfg: PrepConfig, out: str, key: str) -> Optional[dict]:
     """Returns the existing manifest when this exact prep is already complete."""
     manifest = os.path.join(out, "manifest.json")
     work_cfg = os.path.join(out, ".work", "config.json")
-    if os.path.isdir(out) and os.listdir(out):
+    if os.path.isdir(out) and _contents(out):
         ours = os.path.exists(manifest) or os.path.isdir(os.path.join(out, ".work"))
         if not ours:
             raise PrepError(f"output_dir={cfg.output_dir!r} exists and is not a bert-prep output: "
                             "choose another output_dir (nothing was written)")
         if cfg.overwrite:
-            shutil.rmtree(out)
+            _empty(out)
         else:
             old_key = None
             for path in (manifest, work_cfg):
@@ -91,7 +108,7 @@ def _prepare_output_dir(cfg: PrepConfig, out: str, key: str) -> Optional[dict]:
                                     "settings or input: choose another output_dir, or add "
                                     "overwrite=true to replace it")
                 # An earlier attempt that stopped before any shard: nothing worth keeping.
-                shutil.rmtree(out)
+                _empty(out)
             elif os.path.exists(manifest):
                 with open(manifest) as f:
                     return json.load(f)
@@ -253,17 +270,40 @@ def run(cfg: PrepConfig) -> Optional[dict]:
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepError(f"output_dir={cfg.output_dir!r} is an existing file, not a directory: "
                         "choose a directory path (nothing was written)")
-    created = not os.path.exists(out)
+    created = first_missing(out)
+    try:
+        lock = _lock(cfg, out)
+    except OSError as e:
+        raise os_error(e, f"output_dir={cfg.output_dir!r}", out) from None
     try:
         return _run(cfg, out)
     except PrepIOError:
         raise         # disk full, permissions: what is done is kept for the re-run
     except PrepError:
         if created:   # a bad input found on the first run leaves nothing behind
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(created, ignore_errors=True)  # (the parents it made included)
         raise
     except OSError as e:   # a read or write of the output dir the steps did not name
-        raise os_error(e, f"output_dir={cfg.output_dir!r}") from None
+        raise os_error(e, f"output_dir={cfg.output_dir!r}", out) from None
+    finally:
+        lock.release()
+
+
+def lock_name(cfg: PrepConfig) -> str:
+    """One writer per host's part: hosts of a multi-host prep write one output_dir together,
+    each its own shards, so each holds its own lock."""
+    return LOCK_FILE if cfg.host_index is None else f"{LOCK_FILE}-host{cfg.host_index}"
+
+
+def _lock(cfg: PrepConfig, out: str):
+    """Hold output_dir's lock: a second bert-prep into it (for the same host) stops here, in one
+    line, before it reads or changes anything there; one that was killed holds nothing."""
+    from bert_pretrain.components.folder_lock import FolderBusy, lock_folder
+
+    try:
+        return lock_folder(out, "bert-prep", lock_name(cfg))
+    except FolderBusy as e:
+        raise PrepError(f"output_dir={cfg.output_dir!r}: {e}") from None
 
 
 def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
@@ -318,7 +358,8 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     plan_dir = os.path.join(work, "plan")
     if not os.path.isdir(plan_dir):
         plans = make_plan(store, cfg.validation_fraction, cfg.tokens_per_shard,
-                          cfg.dupe_factor, cfg.seed, cfg.next_sentence_prediction)
+                          cfg.dupe_factor, cfg.seed, cfg.next_sentence_prediction,
+                          corpus_mod.how_to_get_more_documents(cfg.corpus))
         tmp = plan_dir + tmp_suffix()
         shutil.rmtree(tmp, ignore_errors=True)
         try:
@@ -327,7 +368,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
                 p.save(tmp)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise os_error(e, "writing the plan (.work/plan)") from None
+            raise os_error(e, "writing the plan (.work/plan)", out) from None
         try:
             os.rename(tmp, plan_dir)
         except OSError:   # another host saved the same plan first

@@ -64,13 +64,15 @@ class SplitPlan:
 
 
 def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int,
-                           next_sentence_prediction: bool = True) -> np.ndarray:
+                           next_sentence_prediction: bool = True,
+                           more_documents: str = "give more documents") -> np.ndarray:
     """Held-out documents; with NSP each split needs two (a random-next segment comes from
-    another document of the same split), MLM-only packed data needs one."""
+    another document of the same split), MLM-only packed data needs one.  `more_documents`:
+    how this corpus gets more of them (its source's rule, said in the error)."""
     n = len(doc_tokens)
     if n < 2 and next_sentence_prediction:
         raise PrepError(f"the corpus has {n} document: next-sentence prediction needs a random "
-                        "other document; give more documents (blank lines separate them)")
+                        f"other document; {more_documents}")
     if fraction == 0:
         return np.zeros(0, np.int64)
     least = 2 if next_sentence_prediction else 1
@@ -78,7 +80,7 @@ def choose_validation_docs(doc_tokens: np.ndarray, fraction: float, seed: int,
         def docs(k: int) -> str:
             return f"{k} document{'s' if k != 1 else ''}"
         raise PrepError(f"the corpus has {docs(n)}: a validation split needs {docs(least)} "
-                        f"held out and training {least} more; add documents or set "
+                        f"held out and training {least} more; {more_documents}, or set "
                         "validation_fraction=0")
     order = np.random.default_rng(np.random.SeedSequence([seed, 7919])).permutation(n)
     cum = np.cumsum(doc_tokens[order])
@@ -122,10 +124,11 @@ def cut_units(store: TokenStore, docs: np.ndarray, tokens_per_unit: int) -> tupl
 
 
 def make_plan(store: TokenStore, validation_fraction: float, tokens_per_shard: int,
-              dupe_factor: int, seed: int, next_sentence_prediction: bool = True
-              ) -> dict[str, SplitPlan]:
+              dupe_factor: int, seed: int, next_sentence_prediction: bool = True,
+              more_documents: str = "give more documents") -> dict[str, SplitPlan]:
     doc_tokens = store.doc_num_tokens()
-    val = choose_validation_docs(doc_tokens, validation_fraction, seed, next_sentence_prediction)
+    val = choose_validation_docs(doc_tokens, validation_fraction, seed, next_sentence_prediction,
+                                 more_documents)
     is_val = np.zeros(store.num_documents, bool)
     is_val[val] = True
     plans = {}

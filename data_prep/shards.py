@@ -79,7 +79,8 @@ def write_shard(path: str, index: int, arrays: dict, stats: dict) -> None:
         # finished shards stay, and a re-run builds this one again.
         shutil.rmtree(tmp, ignore_errors=True)
         split = os.path.basename(parent)
-        raise os_error(e, f"writing {split}/{shard_name(index)}") from None
+        raise os_error(e, f"writing {split}/{shard_name(index)}",
+                       os.path.dirname(os.path.abspath(parent))) from None
     try:
         os.rename(tmp, path)
     except OSError:  # another host finished the same shard first: both are identical
@@ -192,7 +193,8 @@ def write_json_atomic(path: str, obj: dict) -> None:
             os.remove(tmp)
         except OSError:
             pass
-        raise os_error(e, f"writing {os.path.basename(path)}") from None
+        raise os_error(e, f"writing {os.path.basename(path)}",
+                       os.path.dirname(os.path.abspath(path))) from None
 
 
 STAT_ROWS = [("instances", "num_instances", "{:,}"), ("tokens", "num_tokens", "{:,}"),

@@ -242,7 +242,8 @@ def tokenize_corpus(sentences: Iterator[tuple[bool, str]], tokenizer, directory:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):   # disk full while writing the tokenized corpus
-            raise os_error(e, "writing the tokenized corpus (.work/tokens)") from None
+            raise os_error(e, "writing the tokenized corpus (.work/tokens)",
+                           os.path.dirname(os.path.abspath(tmp))) from None
         raise
     finally:
         bar.close()

@@ -352,3 +352,116 @@ def test_a_checkpoint_remade_under_the_same_name_is_another_model(tmp_path):
     shutil.copytree(tmp_path / "run", tmp_path / "copy")
     assert load_pretrained(str(tmp_path / "copy")).identity() == first
     assert train(2) != first
+
+
+def _claim_after_the_check(base, identity, barrier, queue):
+    """claim() in a child, held between its look at the folder and its taking it until the
+    other child has looked too (both then find it new: the window two commands meet in)."""
+    import bert_pretrain.finetune.identity as identity_mod
+
+    real_makedirs = os.makedirs
+
+    def makedirs(path, *args, **kwargs):
+        if os.path.abspath(path) == os.path.abspath(base) and not barrier.broken:
+            barrier.wait(timeout=60)
+        return real_makedirs(path, *args, **kwargs)
+
+    identity_mod.os.makedirs = makedirs  # (this child's os module only)
+    queue.put((identity["recipe"]["lr"], identity_mod.claim(base, identity)))
+
+
+def test_two_commands_claiming_one_new_folder_at_once_get_one_each(tmp_path):
+    """Both look at out_dir while it is new, then both take it: one gets it, the other goes
+    beside, and each folder records its own identity (check-then-write gave both the same)."""
+    import multiprocessing
+
+    from bert_pretrain.finetune.identity import read_identity
+
+    ctx = multiprocessing.get_context("fork")
+    base = str(tmp_path / "out")
+    barrier, queue = ctx.Barrier(2), ctx.Queue()
+    a, b = {"recipe": {"lr": 1}, "task": "x"}, {"recipe": {"lr": 2}, "task": "x"}
+    children = [ctx.Process(target=_claim_after_the_check, args=(base, i, barrier, queue))
+                for i in (a, b)]
+    for child in children:
+        child.start()
+    got = dict(queue.get(timeout=120) for _ in children)
+    for child in children:
+        child.join(timeout=60)
+        assert child.exitcode == 0
+    assert sorted(got.values()) == [base, base + "-2"], got
+    assert read_identity(got[1]) == a and read_identity(got[2]) == b
+    assert sorted(os.listdir(base)) == ["identity.json"]
+
+
+def _save_and_die_before_the_new_model_goes_in(model, data, pretrained, out_dir, identity):
+    """save_classifier in a child killed (SIGKILL) just before its new model takes out_dir's
+    name: after whatever it did to the old model first."""
+    import signal
+
+    from bert_pretrain.finetune import export
+
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if os.path.abspath(dst) == os.path.abspath(out_dir):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_rename(src, dst, *args, **kwargs)
+
+    os.rename = rename
+    export.save_classifier(model, data, pretrained, out_dir, identity)
+
+
+def test_a_model_replaced_by_a_killed_save_is_whole_after_recovery(tmp_path):
+    """A kill in the middle of replacing model/ leaves the old model, whole, where the start of
+    the next run (recover_swap) puts it back; the next save then replaces it."""
+    import multiprocessing
+
+    from bert_pretrain.finetune.export import recover_swap, save_classifier
+    from bert_pretrain.model import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16), 2)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    pretrained = SimpleNamespace(tokenizer_dir=str(tmp_path / "tok"),
+                                 tokenizer_files=["vocab.txt"])
+    data = SimpleNamespace(label_names=None, name="custom", title="T", metrics=("accuracy",))
+    out_dir = str(tmp_path / "run" / "model")
+    save_classifier(model, data, pretrained, out_dir, {"lr": 1, "seed": 1})
+    old = _weights(out_dir)
+    with torch.no_grad():
+        model.classifier.weight.add_(1.0)
+    child = multiprocessing.get_context("fork").Process(
+        target=_save_and_die_before_the_new_model_goes_in,
+        args=(model, data, pretrained, out_dir, {"lr": 1, "seed": 2}))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == -9
+    recover_swap(out_dir)
+    assert _same(_weights(out_dir), old)
+    assert sorted(os.listdir(tmp_path / "run")) == ["model"]
+    save_classifier(model, data, pretrained, out_dir, {"lr": 1, "seed": 2})
+    assert torch.equal(_weights(out_dir)["classifier.weight"], model.classifier.weight.detach())
+    assert sorted(os.listdir(tmp_path / "run")) == ["model"]
+
+
+def test_a_second_fine_tune_of_the_same_grid_at_once_stops_in_one_line(run, task, tmp_path):
+    """The claim lets the same identity in (a rerun continues it): while another command holds
+    the folder, the second stops with one line instead of writing the same runs along."""
+    from bert_pretrain.components.folder_lock import lock_folder
+    from bert_pretrain.errors import UserError
+
+    out = tmp_path / "out"
+    args = [*task, f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={out}"]
+    first = finetune_in_process(args)
+    held = lock_folder(str(out), "bert-finetune")  # (as another process would: a new open file)
+    try:
+        with pytest.raises(UserError, match=r"is being written by another bert-finetune "
+                                            r"\(process \d+\); wait for it"):
+            finetune_in_process(args)
+    finally:
+        held.release()
+    assert finetune_in_process(args)["score"] == first["score"]

@@ -94,7 +94,8 @@ def _text(tmp_path, name, text):
 @pytest.mark.parametrize("text, pattern", [
     ("", r"the corpus holds no text"),
     ("\n\n   \n\t\n", r"the corpus holds no text"),
-    ("One sentence.\nAnother one.\nA third.\n", r"the corpus has 1 document: .*blank lines separate them"),
+    ("One sentence.\nAnother one.\nA third.\n",
+     r"the corpus has 1 document: .*with corpus=text a blank line \(or a new file\) ends a doc"),
     ("a.\n\nb.\n\nc.\n", r"the corpus has 3 documents: .*validation_fraction=0"),
 ])
 def test_bad_corpora(prep_compose, tmp_path, text, pattern):
@@ -105,6 +106,25 @@ def test_bad_corpora(prep_compose, tmp_path, text, pattern):
     with pytest.raises(PrepError, match=pattern):
         run(cfg)
     assert not out.exists()
+
+
+def test_one_big_file_of_documents_is_told_what_to_type(prep_compose, tmp_path):
+    """corpus=documents makes a file one document: one big file with blank lines between its
+    documents is one document there, and the error names the setting that splits it (which
+    then works), not corpus=text's rule."""
+    corpus = _text(tmp_path, "big.txt", "".join(
+        f"Document {i} starts here. It has a second sentence about topic {i}.\n\n"
+        for i in range(8)))
+    out = tmp_path / "out"
+    args = ("corpus=documents", f"corpus.paths=[{corpus}]", f"output_dir={out}",
+            "tokenizer.vocab_size=64", "tokenizer.min_frequency=1", "validation_fraction=0")
+    with pytest.raises(PrepError, match=r"the corpus has 1 document: .*with corpus=documents "
+                                        r"each file is one document: .*add "
+                                        r"corpus.document_per=blank_line$"):
+        run(prep_compose(*args))
+    assert not out.exists()
+    split = run(prep_compose(*args, "corpus.document_per=blank_line"))
+    assert split["counts"]["num_documents"] == 8
 
 
 def test_vocab_without_special_tokens(prep_compose, tmp_path):

@@ -572,3 +572,31 @@ def test_summary_ranks_by_the_downstream_score(tmp_path: Path) -> None:
     assert [t.job_num for t in summary.trials] == [1, 2, 0]
     header = summary.table.splitlines()[1].split()
     assert header[3:5] == ["downstream_score", "eval_mlm_loss"]
+
+
+def test_a_grid_sweep_whose_every_member_is_refused_fails_once_before_launching(tmp_path):
+    """The README's grid on a data folder that is not there: one line, exit 2, no member
+    started (no sweep folder), instead of each member failing on the same missing folder."""
+    sweep = tmp_path / "grid"
+    r = bert_train_multirun("-m", *TINY, f"data.dir={tmp_path / 'missing'}",
+                            f"hydra.sweep.dir={sweep}", "optim.lr=1e-3,3e-3",
+                            "trainer.warmup_steps=1,2")
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("bert-train: error: all 4 sweep members would be refused, none "
+                               f"was started: data.dir '{tmp_path / 'missing'}' does not exist")
+    assert not sweep.exists() and "job" not in r.stdout
+
+
+def test_a_grid_sweep_with_one_member_that_can_start_is_launched(prepared, tmp_path):
+    """One member with its data is enough (the summary then lists the failed ones); members
+    refused for different reasons are said as the first and a count."""
+    from bert_pretrain.sweep_check import refused_sweep
+    from bert_pretrain.train import CONF_DIR
+
+    missing = tmp_path / "missing"
+    assert refused_sweep(CONF_DIR, ["-m", *TINY, f"data.dir={prepared},{missing}"]) is None
+    assert refused_sweep(CONF_DIR, [*TINY, f"data.dir={missing}"]) is None  # not a sweep
+    line = refused_sweep(CONF_DIR, ["-m", *TINY, f"data.dir={missing},{missing}-2"])
+    assert line.startswith("all 2 sweep members would be refused, none was started: data.dir")
+    assert line.endswith("(and 1 other error(s))")

@@ -48,7 +48,7 @@ def test_end_to_end_on_real_bert_prep_output(tmp_path, real_prep):
     final = os.path.join(run, "checkpoints", "step-00000040")
     assert f"checkpoint: {final}" in r.stdout
     assert os.path.join(run, "metrics.jsonl") in r.stdout
-    assert os.path.isfile(os.path.join(run, "train.log"))            # Hydra's log
+    assert os.path.isfile(os.path.join(run, "train.log"))            # the run's log
     assert os.path.isfile(os.path.join(run, ".hydra", "config.yaml"))
     for name in ("model.safetensors", "optimizer.pt", "trainer_state.json", "config.yaml",
                  "tokenizer/vocab.txt", "rng_state_rank0.pt"):

@@ -491,10 +491,16 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
         else:
             os.rename(tmp, final)
         _fsync_path(root)
-    except (OSError, CheckpointError) as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as exc:  # (safetensors and torch.save report a full disk in their own ways)
+        from .disk_space import free_text, is_disk_full
+
+        full = is_disk_full(exc, root)
+        if not full and not isinstance(exc, (OSError, CheckpointError)):
+            raise  # a bug, not the disk: keep its traceback
+        shutil.rmtree(tmp, ignore_errors=True)  # (frees what the half-written one took)
         barrier()
-        reason = getattr(exc, "strerror", None) or exc
+        reason = f"No space left on device, {free_text(root)}" if full else \
+            getattr(exc, "strerror", None) or exc
         raise CheckpointError(
             f"could not save checkpoint step {step} in {root} ({reason})") from None
     _verified[_stat_key(final, state["files"])] = True  # just hashed while writing

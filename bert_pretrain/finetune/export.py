@@ -44,7 +44,8 @@ def hf_config(model, data) -> dict:
 
 def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bool:
     """Write `model` (our BertForSequenceClassification) with `pretrained`'s tokenizer files to
-    `out_dir`, replacing it atomically; `identity`: the fine-tune it is.  Returns whether
+    `out_dir`, replacing it so that a kill leaves the old model or the new, whole (_swap_in);
+    `identity`: the fine-tune it is.  Returns whether
     transformers can load it (config.json written)."""
     from safetensors.torch import save_file
 
@@ -61,9 +62,10 @@ def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bo
             "label_names": data.label_names, "task": data.name, "title": data.title,
             "metrics": list(data.metrics), "lr": identity.get("lr"),
             "seed": identity.get("seed")}
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    parent, name = os.path.split(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".model-", dir=parent)
+    recover_swap(out_dir)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-new-", dir=parent)
     try:
         copy_own_files(pretrained.tokenizer_dir, pretrained.tokenizer_files, tmp)
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -74,12 +76,44 @@ def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bo
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), FILE_MODE)
         os.chmod(tmp, 0o755)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.rename(tmp, out_dir)
+        _swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return config is not None
+
+
+def _old_path(out_dir: str) -> str:
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    return os.path.join(parent, f".{name}-old")
+
+
+def _swap_in(new: str, out_dir: str) -> None:
+    """Put the complete directory `new` in `out_dir`'s place: the old one is renamed aside
+    first and deleted last, so a kill at any point leaves a whole model, the old or the new,
+    in out_dir or (between the renames) aside, where recover_swap puts it back."""
+    old = _old_path(out_dir)
+    if os.path.lexists(out_dir):
+        os.rename(out_dir, old)
+    os.rename(new, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_swap(out_dir: str) -> None:
+    """Finish what a killed save_classifier left (main process, before out_dir is read or
+    written): the old model back in place if the new one never got there, else the old one's
+    remains deleted; a half-written new one deleted."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    old = _old_path(out_dir)
+    if os.path.lexists(old):
+        if os.path.lexists(out_dir):
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, out_dir)
+    if os.path.isdir(parent):
+        for leftover in os.listdir(parent):
+            if leftover.startswith(f".{name}-new-"):
+                shutil.rmtree(os.path.join(parent, leftover), ignore_errors=True)
 
 
 def _dump(obj: dict, path: str) -> None:

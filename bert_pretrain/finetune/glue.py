@@ -73,7 +73,10 @@ def run_glue(g, config_yaml: str = "") -> dict:
         if session.main:
             from .glue_report import markdown_table
 
+            from ..command_record import write_record
+
             paths = write_report(report, g.out_dir)
+            write_record(g.out_dir, config_yaml, replace=True)  # the record of this report
             say("\n" + markdown_table(report))
             say(f"bert-glue: wrote {paths['json']}, {paths['md']}, {paths['png']}")
         return report

@@ -3,6 +3,8 @@ FineTune in `<out_dir>/lr<lr>-seed<seed>/`, then the medians over seeds, the bes
 (by the median of the task's score on its dev set, as the BERT paper chose) and finetune.json.
 
 Layout of out_dir:
+    .hydra/                   the record of the command that wrote finetune.json (of the first
+                              one, until then)
     identity.json             what the grid is of (identity.py): the pretrained model's content
                               hash, init, the task and its data's hash, the recipe but for its
                               rates and seeds (so that adding seeds reuses the finished runs); an
@@ -30,6 +32,7 @@ import statistics
 import sys
 import time
 
+from ..command_record import write_record
 from . import scoring
 from .batches import encode
 from .identity import claim, holds, read_identity
@@ -84,11 +87,40 @@ def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     """Every (lr, seed) fine-tune of the recipe, then the summary (also written to
     <out_dir>/finetune.json by the main process). `out_dir` is claimed for the job's identity
     (identity.py): the summary's out_dir is where it went."""
+    out_dir, lock = _claim_and_lock(session, job, out_dir, say)
+    try:
+        return _run_grid(session, job, out_dir, say)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _claim_and_lock(session: Session, job: Job, out_dir: str, say):
+    """The main process claims out_dir for the job's identity (another identity goes beside)
+    and locks it: a second command of the same identity at once (which the claim lets in)
+    stops in one line instead of writing the same runs along.  Every process gets the folder,
+    or the error."""
+    from ..components.folder_lock import lock_folder
+    from ..errors import UserError
+
+    claimed, lock = (None, None), None
+    if session.main:
+        try:
+            claimed = (claim(out_dir, job.identity, "a fine-tune",
+                             lambda m: say(f"bert-finetune: note: {m}")), None)
+            lock = lock_folder(claimed[0], "bert-finetune")
+            write_record(claimed[0], job.config_yaml)  # the record goes with the results
+        except UserError as exc:
+            claimed = (None, str(exc))
+    out_dir, error = session.broadcast(claimed)
+    if error is not None:
+        raise UserError(error)
+    return out_dir, lock
+
+
+def _run_grid(session: Session, job: Job, out_dir: str, say) -> dict:
     s, data = job.settings, job.data
     recipe = s.recipe
-    out_dir = session.broadcast(
-        claim(out_dir, job.identity, "a fine-tune", lambda m: say(f"bert-finetune: note: {m}"))
-        if session.main else None)
     start = time.perf_counter()
     results, runs = [], {}
     total = len(recipe.lrs) * len(recipe.seeds)
@@ -104,8 +136,9 @@ def run_grid(session: Session, job: Job, out_dir: str, say=print) -> dict:
     summary = summarize(job, results, out_dir, time.perf_counter() - start, session)
     if s.trainer.save_model == "best":
         summary["model_dir"] = _keep_median_model(session, job, summary, runs, say)
-    if session.main:
+    if session.main:  # (a rerun of the same grid with other seeds rewrites both)
         _write_json(os.path.join(out_dir, SUMMARY_FILE), summary)
+        write_record(out_dir, job.config_yaml, replace=True)
     session.barrier()
     return summary
 

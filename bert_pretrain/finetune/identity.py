@@ -20,8 +20,8 @@ from typing import Callable, Optional
 from ..errors import UserError
 
 IDENTITY_FILE = "identity.json"
-# Hydra's record of the command (bert-finetune's and bert-glue's run dir is out_dir), written
-# before any of our code runs: not results.
+# The record of a command, which earlier versions let Hydra write into out_dir before any of our
+# code ran (now command_record.py writes it after the claim): not results.
 HYDRA_OUTPUT = ".hydra"
 
 
@@ -67,12 +67,42 @@ def _unclaimed(names) -> bool:
     return all(n == HYDRA_OUTPUT or n.startswith(f"{IDENTITY_FILE}.tmp-") for n in names)
 
 
+def _take(directory: str, identity: dict) -> bool:
+    """Record `identity` in `directory` unless some identity is recorded there already, in one
+    step: the whole file is written aside and hard-linked in, and link() fails when the name
+    exists.  Of two commands that found the folder new at once, one takes it and the other
+    learns here that it did not (a check, then a write, would let both take it)."""
+    from ..components.checkpoint import write_json_atomic
+
+    os.makedirs(directory, exist_ok=True)
+    final = os.path.join(directory, IDENTITY_FILE)
+    tmp = os.path.join(directory, f"{IDENTITY_FILE}.tmp-claim-{os.getpid()}")
+    write_json_atomic(tmp, identity)
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: create-if-absent, then fill it in
+        try:
+            fd = os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(identity, f, indent=2)
+        return True
+    finally:
+        os.unlink(tmp)
+
+
 def claim(base: str, identity: dict, what: str = "results",
           say: Optional[Callable[[str], None]] = None) -> str:
     """The directory for results of `identity`: `base` when it is new (absent, or empty but
-    for Hydra's record of the command) or holds `identity`; otherwise the first of `base-2`, `base-3`, ... that is.  A new one is
-    created with its identity recorded first.  `say` gets one line when the results go beside
-    `base`.  Main process only (the others get the path from it)."""
+    for an old record of the command) or holds `identity`; otherwise the first of `base-2`,
+    `base-3`, ... that is.  A new one is created with its identity recorded first, atomically:
+    of two commands claiming one new folder at once, the second goes beside (or shares it when
+    it is for the same identity).  `say` gets one line when the results go beside `base`.
+    Main process only (the others get the path from it)."""
     base = os.path.normpath(base)
     wanted = _normal(identity)
     first = read_identity(base)
@@ -85,12 +115,13 @@ def claim(base: str, identity: dict, what: str = "results",
                                                not os.path.islink(candidate) and
                                                _unclaimed(os.listdir(candidate))):
             try:
-                os.makedirs(candidate, exist_ok=True)
-                record(candidate, wanted)
+                if _take(candidate, wanted):
+                    break
             except OSError as exc:
                 raise UserError(f"cannot write {what} to {candidate} ({exc.strerror or exc}); "
                                 f"choose another directory") from None
-            break
+            first = read_identity(base)
+            continue  # another command took it just now: look at what it holds
         n += 1
     if candidate != base and say is not None:
         held = (f"{what} with other settings ({', '.join(differences(first, wanted))} differ)"

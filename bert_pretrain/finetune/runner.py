@@ -149,9 +149,14 @@ class FineTune:
         rebuild: fine-tune a finished run again (its model was not kept and is wanted now)."""
         from .identity import claim
 
+        from .export import recover_swap
+
         s = self.session
         self.run_dir = s.broadcast(claim(self.run_dir, self.identity, "a fine-tune", self._note)
                                    if s.main else None)
+        if s.main:  # a model whose replacing was killed half-way: whole again before it is read
+            recover_swap(os.path.join(self.run_dir, MODEL_DIR))
+        s.barrier()
         done = self._finished_result()
         if done is not None and not rebuild:
             return done
