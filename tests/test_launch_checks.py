@@ -88,11 +88,14 @@ def test_cpu_processes_on_purpose_and_gpu_launches_with_a_gpu_start(monkeypatch,
 
     started = []
     monkeypatch.setattr("accelerate.commands.launch.launch_command", started.append)
-    for cuda, extra in ((False, ["trainer.cpu=true"]), (True, [])):
+    for cuda, config, extra in ((False, "multi_gpu.yaml", ["trainer.cpu=true"]),
+                                (True, "multi_gpu.yaml", []),
+                                # names no GPUs: CPU processes are what it is for
+                                (False, "cpu_2proc.yaml", [])):
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        launch.main(["--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"), "-m",
+        launch.main(["--config_file", os.path.join(CONFIGS, config), "-m",
                      "bert_pretrain.train", "experiment=smoke", *extra])
-    assert len(started) == 2 and capsys.readouterr().err == ""
+    assert len(started) == 3 and capsys.readouterr().err == ""
 
 
 def launch_one_node(*flags: str, node_rank: int, timeout_flag: str) -> tuple:

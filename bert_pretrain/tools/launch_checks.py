@@ -38,6 +38,23 @@ def _asks_for_cpu(training_args: list) -> bool:
                for a in training_args or [])
 
 
+def _names_gpus(args) -> bool:
+    """Whether the launch asks for GPUs: `--multi_gpu` or `--gpu_ids` on the command line, or a
+    config file with `gpu_ids`.  A config file without `gpu_ids` (conf/accelerate/cpu_2proc.yaml)
+    starts local processes on whatever the machine has: accelerate calls both MULTI_GPU, and only
+    `gpu_ids` tells them apart (an unknown key of our own would make accelerate refuse the file)."""
+    if getattr(args, "gpu_ids", None) is not None or not getattr(args, "config_file", None):
+        return True
+    import yaml
+
+    try:
+        with open(args.config_file, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return True  # accelerate says what is wrong with the file
+    return not isinstance(raw, dict) or raw.get("gpu_ids") is not None
+
+
 def refusal(args) -> str | None:
     """The one-line error for a launch bert-train cannot run, or None."""
     launch = _resolved(args)
@@ -46,7 +63,7 @@ def refusal(args) -> str | None:
     if launch.use_deepspeed:
         return (f"bert-launch: error: {args.config_file or 'the accelerate config'} sets up "
                 f"DeepSpeed, which bert-train does not support; {FSDP_POINTER}")
-    if launch.multi_gpu and not _asks_for_cpu(launch.training_script_args):
+    if launch.multi_gpu and _names_gpus(args) and not _asks_for_cpu(launch.training_script_args):
         import torch
 
         if torch.cuda.is_available():
