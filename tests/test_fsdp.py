@@ -4,9 +4,9 @@ What must hold (issue 37): a run launched as a GPU user types it (`accelerate la
 --config_file conf/accelerate/fsdp.yaml`) really shards on CPU (the start-up line names the
 shard units, every process writes its own shards), and trains the losses of DDP on the same
 config at every step within fp32 rounding (TOL, the tolerance tests/test_distributed.py holds
-DDP to against one process; measured differences were 0 in fp32: see docs/multi-gpu.md); with
-and without accumulation, with clipping by the global norm (a per-shard norm would clip
-differently and change the losses from step 2 on), with bf16 autocast.  A sharded checkpoint
+DDP to against one process; the largest difference measured was 3.3e-7), with and without
+accumulation, with clipping by the global norm (a per-shard norm would clip differently and
+change the losses from step 2 on), and with bf16 autocast within bf16 rounding (BF16_TOL).  A sharded checkpoint
 resumes under another process count or without sharding (and an unsharded one into a sharded
 run) continuing the same losses, is written atomically (a rank killed at any point of a save
 leaves a checkpoint resume=auto finds), and exports to transformers directly.
@@ -29,6 +29,9 @@ from time_limits import hang_limit
 from train_support import write_prepared
 
 FSDP_LINE = "bert-train: sharding: FSDP2 over {n} process(es): 3 shard units (2 encoder layers"
+# 20 held-out samples in batches of 4 over 2 processes: rank 0 gets 3 batches, rank 1 gets 2;
+# a sharded evaluation must keep both in the same forward passes or hang.
+UNEVEN_EVAL = "trainer.eval_max_samples=20"
 
 
 def train_fsdp_accelerate(num_processes: int, *overrides: str) -> subprocess.CompletedProcess:
@@ -72,14 +75,15 @@ def prepared(tmp_path_factory) -> str:
 def single(prepared, tmp_path_factory) -> Path:
     """One unsharded process, micro-batch 4 (the global batch of 8 in 2 accumulation steps)."""
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    train_1proc(f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.micro_batch_size=4")
+    train_1proc(f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.micro_batch_size=4",
+                UNEVEN_EVAL)
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def fsdp_two(prepared, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
-    r = train_fsdp_accelerate(2, f"data.dir={prepared}", f"run_dir={run_dir}")
+    r = train_fsdp_accelerate(2, f"data.dir={prepared}", f"run_dir={run_dir}", UNEVEN_EVAL)
     return run_dir, r.stdout
 
 
@@ -240,12 +244,18 @@ def test_bert_train_refuses_a_planted_shard_metadata_on_resume(prepared, fsdp_tw
 # --------------------------------------------------------------------------- FSDP = DDP, slow
 
 
+# bf16 autocast: the reduce-scatter sums a gradient in another order than DDP's all-reduce, and
+# a last-bit fp32 difference in a weight can flip its bf16 rounding in the next forward (bf16
+# keeps 8 bits: a relative step of 4e-3). Measured: at most 2.1e-4 over 20 steps (fp32: 3.3e-7).
+BF16_TOL = 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_processes,micro,precision", [
     (2, 2, "no"),     # 2 accumulation steps
     (2, 4, "no"),     # none
     (4, 2, "no"),
-    (2, 4, "bf16"),   # bf16 autocast: the same ops in the same order, so the same tolerance
+    (2, 4, "bf16"),
 ])
 def test_fsdp_trains_ddps_losses_for_20_steps(prepared, tmp_path, num_processes, micro,
                                               precision):
@@ -262,7 +272,11 @@ def test_fsdp_trains_ddps_losses_for_20_steps(prepared, tmp_path, num_processes,
     assert sorted(fsdp) == list(range(1, 21))
     print(f"max |FSDP - DDP| loss over 20 steps ({num_processes} processes, micro {micro}, "
           f"{precision}): {max_difference(ddp, fsdp, range(1, 21)):.3g}")
-    assert_same_trajectory(ddp, fsdp, range(1, 21))
+    if precision == "no":
+        assert_same_trajectory(ddp, fsdp, range(1, 21))
+    else:
+        assert max_difference(ddp, fsdp, range(1, 21)) <= BF16_TOL
+        assert [fsdp[s]["lr"] for s in fsdp] == [ddp[s]["lr"] for s in ddp]
     assert [fsdp[s]["tokens_seen"] for s in fsdp] == [ddp[s]["tokens_seen"] for s in ddp]
     assert_sharded_checkpoint(runs["fsdp"] / "checkpoints" / "step-00000020", num_processes)
 
