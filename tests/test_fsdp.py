@@ -6,7 +6,7 @@ shard units, every process writes its own shards), and trains the losses of DDP 
 config at every step within fp32 rounding (TOL, the tolerance tests/test_distributed.py holds
 DDP to against one process; the largest difference measured was 3.3e-7), with and without
 accumulation, with clipping by the global norm (a per-shard norm would clip differently and
-change the losses from step 2 on), and with bf16 autocast within bf16 rounding (BF16_TOL).  A sharded checkpoint
+change the losses from step 2 on), and with bf16 and fp16 autocast within their rounding (AUTOCAST_TOL).  A sharded checkpoint
 resumes under another process count or without sharding (and an unsharded one into a sharded
 run) continuing the same losses, is written atomically (a rank killed at any point of a save
 leaves a checkpoint resume=auto finds), and exports to transformers directly.
@@ -133,6 +133,12 @@ def test_a_sharded_checkpoint_exports_the_model_the_unsharded_run_exports(single
         a, b = (m(input_ids=ids) for m in exports)
     assert (a.prediction_logits - b.prediction_logits).abs().max() <= 1e-5
     assert (a.seq_relationship_logits - b.seq_relationship_logits).abs().max() <= 1e-5
+    # bert-report's parameter count, from the shard index (no tensor read)
+    from bert_pretrain.tools.report import count_parameters
+
+    counts = [count_parameters(str(d / "checkpoints" / "step-00000006"))
+              for d in (single, fsdp_two[0])]
+    assert counts[0] is not None and counts[0] == counts[1]
 
 
 def copy_checkpoint(fsdp_two, tmp_path) -> Path:
@@ -244,24 +250,27 @@ def test_bert_train_refuses_a_planted_shard_metadata_on_resume(prepared, fsdp_tw
 # --------------------------------------------------------------------------- FSDP = DDP, slow
 
 
-# bf16 autocast: the reduce-scatter sums a gradient in another order than DDP's all-reduce, and
-# a last-bit fp32 difference in a weight can flip its bf16 rounding in the next forward (bf16
-# keeps 8 bits: a relative step of 4e-3). Measured: at most 2.1e-4 over 20 steps (fp32: 3.3e-7).
-BF16_TOL = 1e-3
+# Autocast: the reduce-scatter sums a gradient in another order than DDP's all-reduce, and a
+# last-bit fp32 difference in a weight can flip its bf16 rounding in the next forward (bf16
+# keeps 8 bits: a relative step of 4e-3). Measured over 20 steps: bf16 2.1e-4, fp16 3.6e-5
+# (fp32: 3.3e-7).
+AUTOCAST_TOL = 1e-3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("num_processes,micro,precision", [
-    (2, 2, "no"),     # 2 accumulation steps
-    (2, 4, "no"),     # none
-    (4, 2, "no"),
-    (2, 4, "bf16"),
+@pytest.mark.parametrize("num_processes,micro,precision,optim", [
+    (2, 2, "no", "adamw"),     # 2 accumulation steps
+    (2, 4, "no", "adamw"),     # none
+    (4, 2, "no", "adamw"),
+    (2, 4, "no", "lamb"),      # its trust ratio: norms of whole tensors, over their shards
+    (2, 4, "bf16", "adamw"),
+    (2, 4, "fp16", "adamw"),   # loss scaling: a step skipped for inf on one shard is skipped by all
 ])
 def test_fsdp_trains_ddps_losses_for_20_steps(prepared, tmp_path, num_processes, micro,
-                                              precision):
+                                              precision, optim):
     common = [f"data.dir={prepared}", "trainer.max_steps=20", "trainer.checkpoint_every=10",
               "trainer.eval_every=10", f"trainer.micro_batch_size={micro}",
-              f"trainer.mixed_precision={precision}"]
+              f"trainer.mixed_precision={precision}", f"optim={optim}"]
     runs = {}
     for sharding in ("ddp", "fsdp"):
         runs[sharding] = tmp_path / sharding
@@ -271,17 +280,32 @@ def test_fsdp_trains_ddps_losses_for_20_steps(prepared, tmp_path, num_processes,
     ddp, fsdp = train_records(runs["ddp"]), train_records(runs["fsdp"])
     assert sorted(fsdp) == list(range(1, 21))
     print(f"max |FSDP - DDP| loss over 20 steps ({num_processes} processes, micro {micro}, "
-          f"{precision}): {max_difference(ddp, fsdp, range(1, 21)):.3g}")
+          f"{precision}, {optim}): {max_difference(ddp, fsdp, range(1, 21)):.3g}")
     if precision == "no":
         assert_same_trajectory(ddp, fsdp, range(1, 21))
     else:
-        assert max_difference(ddp, fsdp, range(1, 21)) <= BF16_TOL
+        assert max_difference(ddp, fsdp, range(1, 21)) <= AUTOCAST_TOL
         assert [fsdp[s]["lr"] for s in fsdp] == [ddp[s]["lr"] for s in ddp]
     assert [fsdp[s]["tokens_seen"] for s in fsdp] == [ddp[s]["tokens_seen"] for s in ddp]
     assert_sharded_checkpoint(runs["fsdp"] / "checkpoints" / "step-00000020", num_processes)
 
 
 # --------------------------------------------------------------------------- resume, slow
+
+
+@pytest.mark.slow
+def test_init_from_a_sharded_checkpoint_sharded_or_not(prepared, fsdp_two, tmp_path):
+    """trainer.init_from (phase 2) takes the weights of a sharded checkpoint into a sharded run
+    and into an unsharded one alike: the same losses from the first step on."""
+    source = fsdp_two[0] / "checkpoints" / "step-00000006"
+    common = [f"data.dir={prepared}", f"trainer.init_from={source}", "trainer.max_steps=3",
+              "trainer.micro_batch_size=4"]
+    train_torchrun(2, *common, f"run_dir={tmp_path / 'sharded'}")
+    train_1proc(*common, f"run_dir={tmp_path / 'whole'}")
+    fresh = train_records(fsdp_two[0])
+    sharded, whole = train_records(tmp_path / "sharded"), train_records(tmp_path / "whole")
+    assert_same_trajectory(whole, sharded, range(1, 4))
+    assert abs(sharded[1]["loss"] - fresh[1]["loss"]) > 0.01  # the weights were taken
 
 
 @pytest.mark.slow
