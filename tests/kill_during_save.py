@@ -5,6 +5,8 @@ after it runs, no except clause, no finally).
 KILL_POINT=<point>:<rank>:<step> names where: the save of checkpoint <step>, on process <rank>,
 at <point>:
   shard-write  as the process starts writing its shards (DCP's write_data)
+  metadata     rank 0 (DCP's coordinator), as it writes the DCP metadata after every process
+               wrote its shards
   shard-done   after every process wrote its shards and rank 0 the DCP metadata, before the
                process hashes what it wrote
   gather       as the process hands its checksums to rank 0
@@ -49,6 +51,8 @@ def kill_when(module, name, condition):
 if me == int(rank):
     if point == "shard-write":
         kill_when(dcp_fs._FileSystemWriter, "write_data", lambda *a, **k: during_save())
+    elif point == "metadata":
+        kill_when(dcp_fs._FileSystemWriter, "finish", lambda *a, **k: during_save())
     elif point == "shard-done":
         kill_when(sharded_checkpoint, "own_files", lambda *a, **k: during_save())
     elif point == "gather":

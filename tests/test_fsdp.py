@@ -90,6 +90,23 @@ def fsdp_two(prepared, tmp_path_factory) -> tuple[Path, str]:
 # --------------------------------------------------------------------------- the default suite
 
 
+def test_which_runs_shard(monkeypatch):
+    """trainer.sharding=auto follows the launcher's accelerate config; ddp under an FSDP
+    config is a contradiction said in one line, not a silent choice."""
+    from bert_pretrain.components.sharding import resolve_sharding
+    from bert_pretrain.components.trainer_config import TrainerConfig
+    from bert_pretrain.errors import ConfigError
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert [resolve_sharding(v, 2) for v in ("auto", "ddp", "fsdp")] == [False, False, True]
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert resolve_sharding("auto", 2) and resolve_sharding("fsdp", 2)
+    with pytest.raises(ConfigError, match="trainer.sharding=ddp, but accelerate was launched"):
+        resolve_sharding("ddp", 2)
+    with pytest.raises(ValueError, match="trainer.sharding must be auto, ddp or fsdp"):
+        TrainerConfig(sharding="zero3")
+
+
 def test_the_accelerate_fsdp_launch_line_shards_on_cpu_and_trains_the_same_losses(
         single, fsdp_two):
     run_dir, stdout = fsdp_two
@@ -356,7 +373,8 @@ def test_checkpoints_resume_across_shapes(prepared, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("point,rank,found", [
-    ("shard-write", 1, 3), ("shard-done", 0, 3), ("shard-done", 1, 3), ("gather", 1, 3),
+    ("shard-write", 1, 3), ("metadata", 0, 3), ("shard-done", 0, 3), ("shard-done", 1, 3),
+    ("gather", 1, 3),
     ("rename", 0, 3), ("pointer", 0, 6)])
 def test_a_rank_killed_during_a_sharded_save_leaves_a_checkpoint_resume_finds(
         prepared, single, tmp_path, point, rank, found):
