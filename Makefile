@@ -89,6 +89,7 @@ demo-clean: ## Remove the demo's prepared data and runs (the next `make demo` st
 bench: install-test ## Run the benchmarks (tables on stdout, JSON under bench/results/)
 	$(PY) bench/bench_prep.py
 	$(PY) bench/bench_model.py
+	$(PY) bench/bench_fsdp_memory.py
 
 # The GPU machine has its own Python (no venv, no internet): the packages it lacks are staged
 # here first with ../shared/gpu/stage_wheels.sh (into .whl/) and installed into /tmp/site.

@@ -32,6 +32,8 @@ MODELS = {  # the shapes of conf/train/model/<name>.yaml
                       intermediate_size=3072),
     "bert_large": dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                        intermediate_size=4096),
+    "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,  # for its test
+                 intermediate_size=64),
 }
 
 

@@ -327,7 +327,8 @@ def test_init_from_a_sharded_checkpoint_sharded_or_not(prepared, fsdp_two, tmp_p
 
 @pytest.mark.slow
 def test_checkpoints_resume_across_shapes(prepared, tmp_path):
-    """FSDP 2 -> 1 (unsharded) -> FSDP 2 (1 -> 2), FSDP 2 -> FSDP 4, FSDP 2 -> DDP 2 -> FSDP 2:
+    """FSDP 2 -> 1 (unsharded) -> FSDP 2 (1 -> 2), FSDP 2 -> FSDP 4 -> 1, FSDP 2 -> DDP 2 ->
+    FSDP 2:
     every continuation trains the uninterrupted run's losses (micro-batch 2 everywhere: the
     dropout masks are drawn per micro-batch)."""
     common = [f"data.dir={prepared}", "trainer.micro_batch_size=2"]
@@ -348,11 +349,15 @@ def test_checkpoints_resume_across_shapes(prepared, tmp_path):
                    f"resume={one / 'checkpoints' / 'step-00000004'}")
     assert_same_trajectory(reference, train_records(back), range(5, 7))
 
-    four = tmp_path / "four"  # 2 -> 4
-    r = train_torchrun(4, *common, f"run_dir={four}", f"resume={step3}")
+    four = tmp_path / "four"  # 2 -> 4 -> 1
+    r = train_torchrun(4, *common, f"run_dir={four}", f"resume={step3}",
+                       "trainer.checkpoint_every=1")
     assert FSDP_LINE.format(n=4) in r.stdout
     assert_same_trajectory(reference, train_records(four), range(4, 7))
-    assert_sharded_checkpoint(four / "checkpoints" / "step-00000006", 4)
+    assert_sharded_checkpoint(four / "checkpoints" / "step-00000005", 4)
+    last = tmp_path / "last"
+    train_1proc(*common, f"run_dir={last}", f"resume={four / 'checkpoints' / 'step-00000005'}")
+    assert_same_trajectory(reference, train_records(last), [6])
 
     ddp = tmp_path / "ddp"  # FSDP -> DDP (its step 5) -> FSDP
     train_torchrun(2, *common, f"run_dir={ddp}", f"resume={step3}", "trainer.checkpoint_every=1",
