@@ -86,7 +86,6 @@ class Trainer:
     def _setup_accelerator(self) -> None:
         from .components.precision import Precision
         from .components.run_setup import make_accelerator
-
         from .components.sharding import resolve_sharding
 
         acc, self.keeps_freed_memory = make_accelerator(self.tc)
@@ -533,13 +532,14 @@ class Trainer:
                 f"checkpoint: {self.checkpoints.latest(verify=False) or 'none'}"
             )
         tc = self.tc
-        weights = {"model": unwrapped, "optimizer_state": self.optimizer.state_dict()}
         if self.sharded:  # every process writes its own shards (sharded_checkpoint.py)
             from .components.sharded_checkpoint import save_shards
             from .components.sharding import gather_objects
 
             weights = {"model": None, "optimizer_state": None, "gather": gather_objects,
                        "shards": lambda folder: save_shards(folder, unwrapped, self.optimizer)}
+        else:
+            weights = {"model": unwrapped, "optimizer_state": self.optimizer.state_dict()}
         self.last_checkpoint = self.checkpoints.save(
             self.step, **weights,
             extra_state={"schedule": self.schedule.state_dict(),

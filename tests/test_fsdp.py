@@ -246,6 +246,28 @@ def test_a_planted_pickle_among_the_shards_is_refused(fsdp_two, tmp_path):
     assert not marker.exists()
 
 
+def test_shard_metadata_that_points_out_of_the_checkpoint_is_refused(fsdp_two, tmp_path):
+    """.metadata names the file and byte range of every chunk: a path out of sharded/ (a key
+    file read as weights) is refused before anything is read."""
+    from bert_pretrain.components import checkpoint as ckpt
+    from bert_pretrain.errors import CheckpointError
+    from bert_pretrain.model import BertConfig, BertForPreTraining
+    from test_untrusted import resign
+
+    path = copy_checkpoint(fsdp_two, tmp_path)
+    folder = path / "sharded"
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # (the test's own file)
+    key = next(iter(meta.storage_data))
+    meta.storage_data[key] = type(meta.storage_data[key])(
+        relative_path="../../../../secret", offset=0, length=8)
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    resign(str(path))
+    with pytest.raises(CheckpointError, match="points outside its shard files") as err:
+        ckpt.load_weights(str(path), BertForPreTraining(BertConfig.from_dict(
+            json.loads((path / "trainer_state.json").read_text())["model_config"])))
+    assert "\n" not in str(err.value)
+
+
 def test_bert_train_refuses_a_planted_shard_metadata_on_resume(prepared, fsdp_two, tmp_path):
     """Through the real command: one line, exit status 2, the payload never ran."""
     from test_untrusted import Payload, resign

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import warnings
 import torch
 
@@ -33,6 +34,7 @@ from ..errors import CheckpointError
 
 SHARDED_DIR = "sharded"
 METADATA = ".metadata"
+SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")  # what DCP's FileSystemWriter names them
 MAX_METADATA_BYTES = 256 << 20
 
 # What DCP's .metadata may name: its own dataclasses and the torch values inside them.
@@ -78,6 +80,13 @@ def read_metadata(folder: str):
                               f"; the checkpoint is corrupt") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} is not DCP metadata; the checkpoint is corrupt")
+    for info in (metadata.storage_data or {}).values():
+        # DCP reads byte ranges of the files named here: only shard files beside .metadata,
+        # never a path out of the checkpoint
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not SHARD_FILE.match(name):
+            raise CheckpointError(f"{file} points outside its shard files ({name!r}); the "
+                                  f"checkpoint was edited or is corrupt")
     return metadata
 
 
