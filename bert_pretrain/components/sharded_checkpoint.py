@@ -76,8 +76,9 @@ def read_metadata(folder: str):
             f"({exc}), which could run code; it was not written by bert-train (or was "
             f"tampered with): delete this checkpoint") from None
     except Exception as exc:  # EOFError, OSError, a truncated or edited stream
-        raise CheckpointError(f"cannot read {file} ({str(exc).splitlines()[0] or type(exc).__name__})"
-                              f"; the checkpoint is corrupt") from None
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot read {file} ({reason}); the checkpoint is "
+                              f"corrupt") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{file} is not DCP metadata; the checkpoint is corrupt")
     for info in (metadata.storage_data or {}).values():
@@ -114,11 +115,12 @@ def _planner(allow_partial: bool = False):
         def load_bytes(self, read_item, value):
             try:
                 obj = torch.load(value, map_location="cpu", weights_only=True)
-            except Exception as exc:
+            except Exception:  # (weights-only refusal: an object that could run code)
                 raise CheckpointError(
                     f"refusing to load {read_item.dest_index.fqn} from the shards: it holds "
-                    f"Python objects other than tensors and plain data ({str(exc).splitlines()[0]})"
-                    f"; delete this checkpoint") from None
+                    f"Python objects other than tensors and plain data, which could run code; "
+                    f"it was not written by bert-train (or was tampered with): delete this "
+                    f"checkpoint") from None
             if self.flatten_state_dict:
                 from torch.distributed.checkpoint._nested_dict import set_element
 
