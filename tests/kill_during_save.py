@@ -12,7 +12,9 @@ at <point>:
   gather       as the process hands its checksums to rank 0
   rename       rank 0, as it renames the finished temporary folder into place
   pointer      rank 0, after the rename, as it rewrites checkpoints/latest.json
+  enospc       not a kill: the process's shard write fails with ENOSPC (a full disk)
 """
+import errno
 import os
 import runpy
 import signal
@@ -51,6 +53,14 @@ def kill_when(module, name, condition):
 if me == int(rank):
     if point == "shard-write":
         kill_when(dcp_fs._FileSystemWriter, "write_data", lambda *a, **k: during_save())
+    elif point == "enospc":
+        def full_disk(*args, **kwargs):
+            if during_save():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_write(*args, **kwargs)
+
+        real_write = dcp_fs._FileSystemWriter.write_data
+        dcp_fs._FileSystemWriter.write_data = full_disk
     elif point == "metadata":
         kill_when(dcp_fs._FileSystemWriter, "finish", lambda *a, **k: during_save())
     elif point == "shard-done":

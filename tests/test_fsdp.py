@@ -429,6 +429,35 @@ def test_a_rank_killed_during_a_sharded_save_leaves_a_checkpoint_resume_finds(
         assert_same_trajectory(train_records(single), train_records(run_dir), range(4, 7))
 
 
+@pytest.mark.slow
+def test_a_full_disk_on_one_rank_fails_the_sharded_save_on_every_rank(prepared, single,
+                                                                      tmp_path):
+    """Rank 1 cannot write its shards (ENOSPC): every process stops with the same error (one
+    line on the screen), the temporary folder is gone, and
+    resume=auto continues from step 3 with the uninterrupted run's losses."""
+    run_dir = tmp_path / "run"
+    env = {"OMP_NUM_THREADS": "1", "KILL_POINT": "enospc:1:6", "KILL_RUN_DIR": str(run_dir),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([*torchrun_args(2), str(REPO / "tests" / "kill_during_save.py"), *COMMON,
+                        f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.sharding=fsdp",
+                        "trainer.report=false"],
+                       cwd=REPO, capture_output=True, text=True, timeout=hang_limit(),
+                       env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("bert-train: error:")]
+    assert len(errors) == 1 and "could not save checkpoint step 6" in errors[0], r.stderr[-3000:]
+    # Both ranks raised it (each rank's error file, in torchrun's report), not only rank 0
+    # while rank 1 trained on (torchrun then ends rank 1 before it exits by itself).
+    assert r.stderr.count("traceback : bert-train: error: could not save checkpoint step 6") \
+        == 2, r.stderr[-3000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest.json", "step-00000003"]
+    train_1proc(f"data.dir={prepared}", f"run_dir={run_dir}", "resume=auto",
+                "trainer.micro_batch_size=4")
+    assert_same_trajectory(train_records(single), train_records(run_dir), range(4, 7))
+
+
 # --------------------------------------------------------------------------- fine-tuning, slow
 
 

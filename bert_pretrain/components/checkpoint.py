@@ -483,7 +483,11 @@ def write_checkpoint(root: str, step: int, *, model: Optional[torch.nn.Module],
         except OSError:
             ok = False
         digests = gather({"ok": ok, "files": digests})
-        ok = all(d["ok"] for d in digests)
+        if not all(d["ok"] for d in digests):  # every process knows: all fail the save alike
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not save checkpoint step {step} in {root} (a process "
+                                  f"could not write its shards or its RNG state)")
         digests = {name: entry for d in digests for name, entry in d["files"].items()}
     barrier()
     if rank != 0:
