@@ -95,6 +95,7 @@ demo-clean: ## Remove the demo's prepared data and runs (the next `make demo` st
 bench: install-test ## Run the benchmarks (tables on stdout, JSON under bench/results/)
 	$(PY) bench/bench_prep.py
 	$(PY) bench/bench_model.py
+	$(PY) bench/bench_fsdp_memory.py
 
 # For the GPU machine only, which has its own Python (no venv, no internet): this target
 # installs into GPU_PYTHON (python3 on PATH, not .venv): the project, editable and without its

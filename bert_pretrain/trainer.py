@@ -93,11 +93,14 @@ class Trainer:
     def _setup_accelerator(self) -> None:
         from .components.precision import Precision
         from .components.run_setup import make_accelerator
+        from .components.sharding import resolve_sharding
 
         acc, self.keeps_freed_memory = make_accelerator(self.tc)
         self.accelerator = acc
         self.world, self.rank, self.main = acc.num_processes, acc.process_index, \
             acc.is_main_process
+        self.sharded = resolve_sharding(self.tc.sharding, self.world)
+        self.shard_layout = None  # the start-up line's description, once sharded
         self.precision = Precision.resolve(self.tc.mixed_precision, acc.device.type)
         self._record_resolved_precision()
 
@@ -186,6 +189,7 @@ class Trainer:
         s, tc, acc = self.s, self.tc, self.accelerator
         self.state = {"step": 0, "tokens_seen": 0, "samples_consumed": 0, "elapsed_seconds": 0.0}
         source = self.resume_path or tc.init_from
+        from_shards = False  # sharded weights read into a sharded model: after sharding it
         if source and self.hf_state is not None and not self.resume_path:
             self.raw_model.load_state_dict(self.hf_state, strict=True)
         elif source:
@@ -194,11 +198,22 @@ class Trainer:
             saved = ckpt.read_train_state(source, verify=not self.resume_path)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
                                   self.data.tokenizer_sha256)
-            ckpt.load_weights(source, self.raw_model)
+            from_shards = self.sharded and ckpt.is_sharded(saved)
+            if not from_shards:
+                ckpt.load_weights(source, self.raw_model)
             if self.resume_path:
                 self.state.update({k: saved[k] for k in self.state})
-        optimizer = build_optimizer(s.optim, self.raw_model.named_parameters())
-        self.model, self.optimizer = acc.prepare(self.raw_model, optimizer)
+        if self.sharded:
+            self._shard_model()
+            self.model = self.raw_model
+            self.optimizer = build_optimizer(s.optim, self.raw_model.named_parameters())
+            if from_shards and not self.resume_path:
+                from .components.sharded_checkpoint import load_model_shards, SHARDED_DIR
+
+                load_model_shards(os.path.join(source, SHARDED_DIR), self.raw_model)
+        else:
+            optimizer = build_optimizer(s.optim, self.raw_model.named_parameters())
+            self.model, self.optimizer = acc.prepare(self.raw_model, optimizer)
         self.schedule = Schedule(s.scheduler, tc.max_steps, tc.warmup,
                                  tc.budget_hours * 3600 if tc.budget_hours else None)
         self.step, self.tokens_seen = self.state["step"], self.state["tokens_seen"]
@@ -206,7 +221,7 @@ class Trainer:
             self._warn_changed_settings()
             fresh = [dict(g) for g in self.optimizer.param_groups]
             opt_state, extra, rng = ckpt.load_states(self.resume_path, self.rank)
-            self.optimizer.load_state_dict(opt_state)
+            self._load_optimizer_state(opt_state)
             apply_hyperparameters(self.optimizer, fresh)
             self.schedule.load_state_dict(extra["schedule"])
             self.precision.load_state_dict(extra.get("scaler"))
@@ -228,6 +243,30 @@ class Trainer:
                         if self.main else NullMetrics())
         self.last_saved = self.step if self.resume_path else None
         self.last_checkpoint = self.resume_path
+
+    def _shard_model(self) -> None:
+        """FSDP2 on the model, in place (components/sharding.py): accelerate joins the
+        processes, never wraps the model. fully_shard moves each unit to the device as it
+        shards it, so a GPU never holds the whole model at once."""
+        from .components.sharding import ensure_process_group, shard_model
+
+        self.own_process_group = ensure_process_group(self.accelerator.device)
+        self.shard_layout = shard_model(self.raw_model, self.accelerator.device, self.world)
+
+    def _load_optimizer_state(self, opt_state) -> None:
+        """The resumed optimizer state, whatever layout wrote it: a whole state into a whole
+        optimizer, a whole state into a sharded one (each process keeps its shards), or shards
+        (with the weights) into either."""
+        from .components import sharded_checkpoint as shards
+
+        raw_optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if opt_state is None:  # a sharded checkpoint: model and optimizer from its shards
+            shards.load_training_shards(os.path.join(self.resume_path, shards.SHARDED_DIR),
+                                        self.raw_model, raw_optimizer)
+        elif self.sharded:
+            shards.load_whole_optimizer(self.raw_model, raw_optimizer, opt_state)
+        else:
+            self.optimizer.load_state_dict(opt_state)
 
     def _warn_changed_settings(self) -> None:
         from .components.resume import changed_settings_warning
@@ -329,10 +368,13 @@ class Trainer:
             torch.manual_seed(dropout_seed(self.s.seed, self.step, self.rank * len(batches) + j))
             inputs = model_inputs(batch, acc.device, nsp_on)
             last = j == len(batches) - 1
-            with contextlib.nullcontext() if last else acc.no_sync(self.model):
+            # (FSDP2 reduce-scatters every micro-batch's gradients: skipping that would hold
+            # whole unsharded gradients between micro-batches, the memory sharding saves)
+            with contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model):
                 with precision.autocast():
                     out = self.model(**inputs, loss_reduction="sum")
-                # x world: DDP averages gradients over processes, the global batch sums them.
+                # x world: DDP and FSDP average gradients over processes, the global batch
+                # sums them.
                 loss = out.mlm_loss * (self.world / num_mlm)
                 if out.nsp_loss is not None:
                     loss = loss + out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp)
@@ -386,13 +428,19 @@ class Trainer:
 
     def _grad_norm(self) -> float:
         """The global gradient norm (after DDP's all-reduce and unscaling), clipped to
-        max_grad_norm if set."""
+        max_grad_norm if set.  Sharded gradients are DTensors: torch's norm of them is the
+        norm over every process's shards (a DTensor until reduced, full_value)."""
+        from .components.sharding import full_value
+
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.tc.max_grad_norm is not None:
+            if self.sharded:
+                return float(full_value(torch.nn.utils.clip_grad_norm_(
+                    params, self.tc.max_grad_norm)))
             return float(self.accelerator.clip_grad_norm_(params, self.tc.max_grad_norm))
         grads = [p.grad for p in params]
         if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-            return float(torch.nn.utils.get_total_norm(grads))
+            return float(full_value(torch.nn.utils.get_total_norm(grads)))
         return float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
@@ -463,6 +511,12 @@ class Trainer:
         self._set_locality(0.0)  # score the model an export computes
         total = split.num_instances if tc.eval_max_samples is None else \
             min(tc.eval_max_samples, split.num_instances)
+        lockstep = None
+        if self.sharded:
+            from .components.sharding import eval_forward_passes
+
+            lockstep = (eval_forward_passes(total, size, self.world),
+                        next(eval_batches(self.data, self.s.data, size, 1, 0, 1)))
         bar = progress_bar(len(range(self.rank * size, total, self.world * size)), desc="eval",
                            unit="batch", leave=False, enabled=self.main and tc.progress_bar)
         fault_point.reached("eval", self.step, self.rank)
@@ -470,7 +524,7 @@ class Trainer:
                           eval_batches(self.data, self.s.data, size, self.world, self.rank,
                                        tc.eval_max_samples), progress=bar,
                           mask_id=self.data.special.get("mask"),
-                          autocast=self.precision.autocast)
+                          autocast=self.precision.autocast, lockstep=lockstep)
         bar.close()
         self._set_locality(training_locality)
         self.metrics.log({"step": self.step, **result, "elapsed_s": round(self.elapsed, 2)})
@@ -484,16 +538,26 @@ class Trainer:
     # ------------------------------------------------------------------ saving
     def save(self) -> str:
         """Checkpoint the whole run state (every process takes part; rank 0 writes)."""
+        from .components.sharding import all_finite
+
         unwrapped = self.accelerator.unwrap_model(self.model)
-        if not all(torch.isfinite(p).all() for p in unwrapped.parameters()):
+        if not all_finite(unwrapped, self.world):
             # Never label a poisoned state a checkpoint: resume=auto would pick it.
             raise TrainingError(
                 f"the weights hold inf/nan at step {self.step}; not saving them; last good "
                 f"checkpoint: {self.checkpoints.latest(verify=False) or 'none'}"
             )
         tc = self.tc
+        if self.sharded:  # every process writes its own shards (sharded_checkpoint.py)
+            from .components.sharded_checkpoint import save_shards
+            from .components.sharding import gather_objects
+
+            weights = {"model": None, "optimizer_state": None, "gather": gather_objects,
+                       "shards": lambda folder: save_shards(folder, unwrapped, self.optimizer)}
+        else:
+            weights = {"model": unwrapped, "optimizer_state": self.optimizer.state_dict()}
         self.last_checkpoint = self.checkpoints.save(
-            self.step, model=unwrapped, optimizer_state=self.optimizer.state_dict(),
+            self.step, **weights,
             extra_state={"schedule": self.schedule.state_dict(),
                          "scaler": self.precision.state_dict(),
                          "log_window": self.window.state_dict()},
@@ -568,6 +632,11 @@ class Trainer:
         self.accelerator.end_training()
         if self.run_lock is not None:
             self.run_lock.release()
+        import torch.distributed as dist
+
+        # (accelerate's end_training destroys the default group on its own in some versions)
+        if getattr(self, "own_process_group", False) and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _has_results(run_dir: str) -> bool:

@@ -174,3 +174,26 @@ def test_resume_on_the_gpu_continues_the_same_losses(tmp_path, prepared):
     state = json.load(open(os.path.join(part, "checkpoints", "step-00000009",
                                         "trainer_state.json")))
     assert state["step"] == 9
+
+
+@cuda
+def test_fsdp_on_one_gpu_trains_the_unsharded_losses_and_resumes_without_sharding(tmp_path,
+                                                                                   prepared):
+    """FSDP2 on one GPU (its own one-process NCCL group): the losses of the unsharded run, a
+    sharded checkpoint (the code path several GPUs take, tested on CPU over gloo in
+    tests/test_fsdp.py), and an unsharded resume from it on the GPU continues them."""
+    common = ["experiment=smoke", f"data.dir={prepared}", "trainer.max_steps=6",
+              "trainer.checkpoint_every=3", "trainer.keep_last_k=10", "trainer.eval_every=3"]
+    whole, sharded, resumed = (str(tmp_path / n) for n in ("whole", "sharded", "resumed"))
+    train_in_process(common + [f"run_dir={whole}"])
+    train_in_process(common + [f"run_dir={sharded}", "trainer.sharding=fsdp"])
+    assert "sharding: FSDP2 over 1 process(es)" in _log(sharded)
+    assert "speed switches on cuda" in _log(sharded)
+    step3 = os.path.join(sharded, "checkpoints", "step-00000003")
+    assert sorted(os.listdir(os.path.join(step3, "sharded"))) == [".metadata", "__0_0.distcp"]
+    train_in_process(common + [f"run_dir={resumed}", f"resume={step3}"])
+    reference, on_fsdp, after = _losses(whole), _losses(sharded), _losses(resumed)
+    for step in range(1, 7):
+        assert on_fsdp[step] == pytest.approx(reference[step], rel=1e-4), step
+    for step in range(4, 7):
+        assert after[step] == pytest.approx(on_fsdp[step], rel=1e-4), step

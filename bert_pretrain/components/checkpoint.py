@@ -11,7 +11,10 @@ Contents: model.safetensors, optimizer.pt, trainer_state.pt (scheduler, grad sca
 window), rng_state_rank<R>.pt (one per rank), trainer_state.json (step, tokens seen, data
 position, elapsed seconds, model config, tokenizer hash, the checkpoint it continues), config.yaml
 (the resolved run config) and a copy of the tokenizer files, so a checkpoint directory is
-self-contained (export needs nothing else).
+self-contained (export needs nothing else).  A sharded (FSDP2) run's checkpoint holds
+`sharded/` (every process's own shards of the model and optimizer, sharded_checkpoint.py) in
+place of model.safetensors and optimizer.pt; everything else, atomicity and checksums included,
+is the same, and `load_weights` reads either.
 
 A checkpoint is the files its state lists, and nothing else.  trainer_state.json, written last,
 lists every other file with its sha256 and size (`files`) and carries the sha256 of its own content
@@ -434,12 +437,26 @@ def tokenizer_files(tokenizer_dir: str) -> list:
     return out
 
 
-def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_state: dict,
-                     extra_state: dict, train_state: dict, config_yaml: str,
-                     tokenizer_dir: Optional[str], rank: int = 0,
-                     barrier: Callable[[], None] = lambda: None) -> str:
+def _own_digests(tmp: str, names: list) -> dict:
+    """{name: {sha256, size}} of files a process wrote into the temporary checkpoint."""
+    return {name: {"sha256": _sha256(os.path.join(tmp, name)),
+                   "size": os.path.getsize(os.path.join(tmp, name))} for name in names}
+
+
+def write_checkpoint(root: str, step: int, *, model: Optional[torch.nn.Module],
+                     optimizer_state: Optional[dict], extra_state: dict, train_state: dict,
+                     config_yaml: str, tokenizer_dir: Optional[str], rank: int = 0,
+                     barrier: Callable[[], None] = lambda: None,
+                     shards: Optional[Callable[[str], list]] = None,
+                     gather: Callable[[object], list] = lambda x: [x]) -> str:
     """Write checkpoint `step` into `root` (all ranks call this; rank 0 writes all but its RNG
     files).  Keeps nothing else in mind: no pointer, no retention (the manager's job).
+
+    Sharded (`shards` given, model and optimizer_state None): every rank calls
+    `shards(folder)`, which writes its own shards of the model and optimizer into `folder`
+    (sharded_checkpoint.py) and returns their names; each rank hashes what it wrote and `gather`
+    brings the checksums to rank 0 (a list on rank 0), so nothing is read twice and no process
+    holds another's shards.  The rename into place stays rank 0's, after every rank is done.
 
     Raises CheckpointError (with every other checkpoint intact) on OSError such as ENOSPC; the
     caller adds what the user can do."""
@@ -451,20 +468,39 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     barrier()
+    rng_name = f"rng_state_rank{rank}.pt"
     try:
-        torch.save(rng_state(), os.path.join(tmp, f"rng_state_rank{rank}.pt"))
+        torch.save(rng_state(), os.path.join(tmp, rng_name))
     except OSError:
         ok = False
     fault_point.reached("save", step, rank)  # a test's kill with the save half written
+    digests = {}
+    if shards is not None:
+        from .sharded_checkpoint import SHARDED_DIR
+
+        try:
+            written = shards(os.path.join(tmp, SHARDED_DIR))  # collective
+            if ok:
+                digests = _own_digests(tmp, [rng_name] + [f"{SHARDED_DIR}/{n}" for n in written])
+        except OSError:
+            ok = False
+        digests = gather({"ok": ok, "files": digests})
+        if not all(d["ok"] for d in digests):  # every process knows: all fail the save alike
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"could not save checkpoint step {step} in {root} (a process "
+                                  f"could not write its shards or its RNG state)")
+        digests = {name: entry for d in digests for name, entry in d["files"].items()}
     barrier()
     if rank != 0:
         barrier()
         return final
     try:
         if not ok:
-            raise OSError(errno.EIO, "a rank could not write its RNG state")
-        save_model(model, os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
+            raise OSError(errno.EIO, "a rank could not write its RNG state or its shards")
+        if model is not None:
+            save_model(model, os.path.join(tmp, "model.safetensors"))
+            torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
         torch.save(extra_state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(redact(config_yaml))  # a config may interpolate a token from the env
@@ -475,9 +511,10 @@ def write_checkpoint(root: str, step: int, *, model: torch.nn.Module, optimizer_
                                 os.path.join(tmp, TOKENIZER_DIR, name), follow_symlinks=False)
         # trainer_state.json last: it is what marks a checkpoint directory as complete, and it
         # carries the checksums of everything written before it.
+        names = _files_of(tmp)
         state = {**train_state, "step": step, "files": {
-            name: {"sha256": _sha256(os.path.join(tmp, name)),
-                   "size": os.path.getsize(os.path.join(tmp, name))} for name in _files_of(tmp)}}
+            **_own_digests(tmp, [n for n in names if n not in digests]),
+            **{n: digests[n] for n in names if n in digests}}}
         state["state_sha256"] = _state_digest(state)
         with open(os.path.join(tmp, STATE_JSON), "w", encoding="utf-8") as f:
             json.dump(state, f, indent=2)
@@ -537,7 +574,22 @@ def check_compatible(path: str, state: dict, model_config: dict,
         )
 
 
+def is_sharded(state: dict) -> bool:
+    """Whether the checkpoint of train state `state` holds its model as shards (FSDP)."""
+    from .sharded_checkpoint import is_sharded_checkpoint
+
+    return is_sharded_checkpoint(state)
+
+
 def load_weights(path: str, model: torch.nn.Module) -> None:
+    """The checkpoint's weights into `model` (whole or sharded, whatever wrote the checkpoint)."""
+    state = _read_json(path)
+    if is_sharded(state):
+        from .sharded_checkpoint import SHARDED_DIR, load_model_shards
+
+        _regular(path, SHARDED_DIR + "/.metadata")
+        load_model_shards(os.path.join(path, SHARDED_DIR), model)
+        return
     file = os.path.join(path, "model.safetensors")
     _regular(path, "model.safetensors")
     try:
@@ -571,10 +623,13 @@ def _load_plain(file: str):
 def load_states(path: str, rank: int) -> tuple:
     """(optimizer state, extra state, this rank's RNG state or None).  The RNG state is read
     only when trainer_state.json lists it (a checkpoint is the files its state lists): a rank
-    the saving run did not have, or a file left over or planted beside them, gets None."""
-    opt = _load_plain(os.path.join(path, "optimizer.pt"))
+    the saving run did not have, or a file left over or planted beside them, gets None.  A
+    sharded checkpoint's optimizer state is in its shards: None here
+    (sharded_checkpoint.load_training_shards reads it)."""
+    state = _read_json(path)
+    opt = None if is_sharded(state) else _load_plain(os.path.join(path, "optimizer.pt"))
     extra = _load_plain(os.path.join(path, "trainer_state.pt"))
     rng_name = f"rng_state_rank{rank}.pt"
-    listed = rng_name in _read_json(path).get("files", {})
+    listed = rng_name in state.get("files", {})
     rng = _load_plain(os.path.join(path, rng_name)) if listed else None
     return opt, extra, rng

@@ -260,7 +260,8 @@ class CheckpointManager:
                                          rank=self.rank, barrier=self.barrier, **payload)
         except CheckpointError as exc:
             kept = (f"the previous checkpoint {self._path(self.line[-1])} is intact"
-                    if self.line else "no earlier checkpoint exists")
+                    if self.line else "no earlier checkpoint exists" if self.rank == 0 else
+                    "earlier checkpoints are intact")  # (only the main process knows the line)
             raise CheckpointError(f"{exc}; {kept}; free disk space and rerun with "
                                   f"resume=auto") from None
         if self.rank == 0:

@@ -16,7 +16,8 @@ def model_inputs(batch: dict, device, next_sentence_prediction: bool = True) -> 
 
 
 @torch.no_grad()
-def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None) -> dict:
+def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None,
+             lockstep=None) -> dict:
     """Token-weighted MLM loss/accuracy and NSP loss/accuracy over the held-out batches.
 
     Sums are reduced over processes, so the result is the same for any number of processes.
@@ -28,6 +29,9 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
     pairs: the accuracy the split would give if it held both in equal numbers (held-out
     documents are few, and short ones give more random-next pairs, so a split can be 56/44).
     `autocast`: a context-manager factory (the run's precision policy); default accelerate's.
+    `lockstep`: (forward passes, a filler batch) for a sharded model, whose every forward is a
+    collective: a process that ran out of batches runs the filler until it has made as many
+    passes as the others, and drops those results (sharding.eval_forward_passes).
     """
     was_training = model.training
     model.eval()
@@ -35,7 +39,9 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
     # An MLM-only model (no NSP head) is scored on the masked tokens of any data; its result
     # has no eval_nsp_* keys, nor has any model's on MLM-only data (no NSP labels).
     nsp = getattr(getattr(model, "config", None), "next_sentence_prediction", True)
+    passes = 0
     for batch in batches:
+        passes += 1
         inputs = model_inputs(batch, accelerator.device, nsp)
         with (autocast or accelerator.autocast)():
             out = model(**inputs)
@@ -58,6 +64,11 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
                                                        inputs["next_sentence_label"])
         if progress is not None:
             progress.update(1)
+    if lockstep is not None:
+        total, filler = lockstep
+        for _ in range(total - passes):
+            with (autocast or accelerator.autocast)():
+                model(**model_inputs(filler, accelerator.device, nsp))
     sums = accelerator.reduce(sums, reduction="sum")
     model.train(was_training)
     mlm_n, nsp_n = max(sums[2].item(), 1.0), max(sums[5].item(), 1.0)

@@ -50,9 +50,10 @@ def make_accelerator(tc):
             f"launched as {launched} processes but accelerate set up {acc.num_processes}; "
             f"check the launcher's device settings (e.g. trainer.cpu=true on CPU machines)"
         )
-    if acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
-        # Checkpoints save the main process's full model/optimizer state: under FSDP/ZeRO
-        # those are shards, and the saved checkpoint would silently hold a fraction of it.
+    if acc.distributed_type.name == "DEEPSPEED":
+        # Checkpoints save the main process's full model/optimizer state: under ZeRO those
+        # are shards, and the saved checkpoint would silently hold a fraction of it. (FSDP:
+        # the trainer shards the model itself, components/sharding.py.)
         raise ConfigError(
             f"accelerate is set up for {acc.distributed_type.name}, which bert-train "
             f"does not support yet (its checkpoints would hold only one shard); launch with "

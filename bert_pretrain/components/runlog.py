@@ -85,6 +85,8 @@ def start_lines(t) -> list:
         f"{t.accumulation} accumulation; warmup {tc.warmup} steps; run_dir {t.run_dir}"
         + (f"; resumed from {t.resume_path}" if t.resume_path else
            f"; weights from {tc.init_from}" if tc.init_from else "")]
+    if getattr(t, "shard_layout", None):
+        lines.append(f"bert-train: sharding: {t.shard_layout}")
     threads = (f"; {torch.get_num_threads()} CPU threads, OMP_WAIT_POLICY="
                f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
                f"{', freed memory kept' if t.keeps_freed_memory else ''}"

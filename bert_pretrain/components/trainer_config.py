@@ -70,6 +70,12 @@ class TrainerConfig:
     """At the end, write <run_dir>/report/ (report.md and curves, as bert-report draws them)."""
     cpu: bool = False
     """Train on CPU even when a GPU is present."""
+    sharding: str = "auto"
+    """ddp: every process holds the whole model, optimizer state and gradients (DDP); fsdp:
+    FSDP2 shards them over the processes (components/sharding.py), for models whose training
+    state does not fit one device; auto: fsdp when launched with accelerate's FSDP config
+    (conf/accelerate/fsdp.yaml), else ddp. Speed and memory only: the losses are DDP's up to
+    float rounding, and a checkpoint of either resumes under the other."""
     cpu_keep_freed_memory: bool = True
     """CPU, glibc: keep freed memory in the process so big per-step tensors reuse warm pages
     instead of page-faulting fresh ones (cpu_runtime.py; ~25% off a bf16 BERT-base step).
@@ -100,6 +106,9 @@ class TrainerConfig:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"trainer.mixed_precision must be one of "
                              f"{', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+        if self.sharding not in ("auto", "ddp", "fsdp"):
+            raise ValueError(f"trainer.sharding must be auto, ddp or fsdp, got "
+                             f"{self.sharding!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("trainer.max_grad_norm must be > 0 or null")
         if not self.nsp_loss_weight >= 0:

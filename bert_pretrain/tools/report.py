@@ -245,16 +245,37 @@ def count_parameters(checkpoint: Optional[str]) -> Optional[int]:
     model.safetensors header alone: no tensor is read, no model built."""
     import numpy as np
 
+    from .export import TIED_KEYS
+
     file = os.path.join(checkpoint, "model.safetensors") if checkpoint else ""
+    if checkpoint and not os.path.isfile(file):
+        return _count_sharded(checkpoint, TIED_KEYS)
     if not os.path.isfile(file):
         return None
     from safetensors import safe_open
 
-    from .export import TIED_KEYS
-
     with safe_open(file, framework="numpy") as f:
         return int(sum(np.prod(f.get_slice(k).get_shape(), dtype=np.int64) for k in f.keys()
                        if k not in TIED_KEYS))
+
+
+def _count_sharded(checkpoint: str, tied) -> Optional[int]:
+    """Parameters of a sharded checkpoint, from its shard index (the global shapes)."""
+    import math
+
+    from ..components.sharded_checkpoint import SHARDED_DIR, read_metadata
+    from ..errors import CheckpointError
+
+    folder = os.path.join(checkpoint, SHARDED_DIR)
+    if not os.path.isdir(folder):
+        return None
+    try:
+        entries = read_metadata(folder).state_dict_metadata
+    except CheckpointError:
+        return None
+    skip = {"model." + k for k in tied}
+    return sum(math.prod(e.size) for k, e in entries.items()
+               if k.startswith("model.") and k not in skip and hasattr(e, "size"))
 
 
 def _get(config: dict, dotted: str):
