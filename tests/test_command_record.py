@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from finetune_support import FAST, pretrained_run, sentence_task, write_glue_task
+from time_limits import hang_limit
 from train_support import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +50,7 @@ def run_commands(cwd, commands: list, with_paths: bool = False) -> list:
     spec = [(c[0], MODULES[c[0]], list(c[1:])) for c in commands]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], cwd=str(cwd), env=env,
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=hang_limit())
     results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines()
                if line.startswith("RESULT ")]
     assert len(results) == len(commands), p.stdout[-3000:] + p.stderr[-3000:]

@@ -14,6 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from time_limits import hang_limit
 from train_support import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,7 +49,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_resume_continues(tmp_p
             "trainer.warmup_steps=1", "trainer.checkpoint_every=2", "trainer.eval_every=0",
             "trainer.report=false", "trainer.progress_bar=false"]
     p = subprocess.run([sys.executable, "-c", FULL_AT_SAVE, "step-00000004", *args],
-                       cwd=str(tmp_path), env=ENV, capture_output=True, text=True, timeout=600)
+                       cwd=str(tmp_path), env=ENV, capture_output=True, text=True, timeout=hang_limit())
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     root = os.path.join("run", "checkpoints")
@@ -62,7 +63,7 @@ def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_resume_continues(tmp_p
     assert not [n for n in os.listdir(tmp_path / root) if n.startswith(".tmp")]
     p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "bert-train"), *args,
                         "resume=auto"], cwd=str(tmp_path), env=ENV, capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=hang_limit())
     assert p.returncode == 0, p.stderr[-3000:]
     assert (tmp_path / root / "step-00000006").is_dir()
     from bert_pretrain.components import checkpoint as ckpt

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune_support import FAST, finetune_in_process, pretrained_run, sentence_task
+from time_limits import hang_limit
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +364,7 @@ def _claim_after_the_check(base, identity, barrier, queue):
 
     def makedirs(path, *args, **kwargs):
         if os.path.abspath(path) == os.path.abspath(base) and not barrier.broken:
-            barrier.wait(timeout=60)
+            barrier.wait(timeout=hang_limit())
         return real_makedirs(path, *args, **kwargs)
 
     identity_mod.os.makedirs = makedirs  # (this child's os module only)
@@ -385,9 +386,9 @@ def test_two_commands_claiming_one_new_folder_at_once_get_one_each(tmp_path):
                 for i in (a, b)]
     for child in children:
         child.start()
-    got = dict(queue.get(timeout=120) for _ in children)
+    got = dict(queue.get(timeout=hang_limit()) for _ in children)
     for child in children:
-        child.join(timeout=60)
+        child.join(timeout=hang_limit())
         assert child.exitcode == 0
     assert sorted(got.values()) == [base, base + "-2"], got
     assert read_identity(got[1]) == a and read_identity(got[2]) == b
@@ -438,7 +439,7 @@ def test_a_model_replaced_by_a_killed_save_is_whole_after_recovery(tmp_path):
         target=_save_and_die_before_the_new_model_goes_in,
         args=(model, data, pretrained, out_dir, {"lr": 1, "seed": 2}))
     child.start()
-    child.join(timeout=120)
+    child.join(timeout=hang_limit())
     assert child.exitcode == -9
     recover_swap(out_dir)
     assert _same(_weights(out_dir), old)

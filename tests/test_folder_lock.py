@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+from time_limits import hang_limit
 from train_support import write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def hold(cwd, module: str, target: str, argv: list) -> subprocess.Popen:
 
 def command(cwd, prog: str, argv: list) -> subprocess.CompletedProcess:
     return subprocess.run([os.path.join(os.path.dirname(sys.executable), prog), *argv],
-                          cwd=str(cwd), env=ENV, capture_output=True, text=True, timeout=600)
+                          cwd=str(cwd), env=ENV, capture_output=True, text=True, timeout=hang_limit())
 
 
 def files(root) -> dict:
@@ -84,7 +85,7 @@ def test_a_second_bert_prep_into_one_output_dir_stops_in_one_line(tmp_path, prep
         line = one_error_line(p, "bert-prep")
         assert f"is being written by another bert-prep (process {first.pid})" in line, line
         assert files(tmp_path / "out") == before
-        out, err = first.communicate("go\n", timeout=600)
+        out, err = first.communicate("go\n", timeout=hang_limit())
         assert first.returncode == 0, err[-3000:]
     finally:
         first.kill()
@@ -114,7 +115,7 @@ def test_a_second_bert_train_into_one_run_folder_stops_in_one_line(tmp_path):
         line = one_error_line(p, "bert-train")
         assert f"is being written by another bert-train (process {first.pid})" in line, line
         assert files(tmp_path / "run") == before and saving.is_dir()
-        out, err = first.communicate("go\n", timeout=600)
+        out, err = first.communicate("go\n", timeout=hang_limit())
         assert first.returncode == 0, err[-3000:]
     finally:
         first.kill()
