@@ -254,6 +254,11 @@ def run(cfg: PrepConfig) -> Optional[dict]:
         raise PrepError(f"output_dir={cfg.output_dir!r} is an existing file, not a directory: "
                         "choose a directory path (nothing was written)")
     created = not os.path.exists(out)
+    if cfg.packing_auto:
+        print(f"bert-prep: packing={cfg.packing} (auto: " + (
+            "the rows of a table are independent texts, so MLM only, whole sentences packed "
+            "with [SEP] between them, no next-sentence pairs" if cfg.packing == "full_sentences"
+            else "BERT's MLM + next-sentence pairs") + "; set packing= to choose)", flush=True)
     try:
         return _run(cfg, out)
     except PrepIOError:
