@@ -184,6 +184,7 @@ class Trainer:
         from .components import checkpoint as ckpt
         from .components.metrics import Metrics, NullMetrics, eval_record_at
         from .components.optim import Schedule, build_optimizer
+        from .components.checkpoint_manager import init_checkpoint
         from .components.resume import apply_hyperparameters
 
         s, tc, acc = self.s, self.tc, self.accelerator
@@ -195,12 +196,15 @@ class Trainer:
         elif source:
             # resume: the main process verified it (find) and told the others; an init_from
             # checkpoint is verified by every process before it loads the weights
-            saved = ckpt.read_train_state(source, verify=not self.resume_path)
+            init = not self.resume_path
+            if init:
+                source = init_checkpoint(source)
+            saved = ckpt.read_train_state(source, verify=init)
             ckpt.check_compatible(source, saved, self.model_cfg.to_dict(),
-                                  self.data.tokenizer_sha256)
+                                  self.data.tokenizer_sha256, init=init)
             from_shards = self.sharded and ckpt.is_sharded(saved)
             if not from_shards:
-                ckpt.load_weights(source, self.raw_model)
+                ckpt.load_weights(source, self.raw_model, nsp_may_differ=init)
             if self.resume_path:
                 self.state.update({k: saved[k] for k in self.state})
         if self.sharded:

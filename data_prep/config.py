@@ -19,6 +19,9 @@ from data_prep.errors import PrepError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 PACKINGS = ("nsp_pairs", "full_sentences", "doc_sentences")
+# Sources whose documents are independent short texts (the rows of a labelled file): no next
+# sentence to predict, so `packing=auto` packs them MLM-only, whole sentences (RoBERTa).
+ROW_SOURCES = ("table",)
 # Upper bounds that keep a typo from starting work that cannot finish: 1000 copies of every
 # shard, or a process per CPU of a very large machine, is far beyond any real use.
 MAX_DUPE_FACTOR = 1000
@@ -129,8 +132,35 @@ class BuiltinCorpusConfig:
                             "corpus.include_docstrings=true, or name corpus.packages")
 
 
+@dataclass
+class TableCorpusConfig:
+    """A labelled task's own files, their text only: CSV, TSV or JSON-lines files (what
+    `bert-finetune task=custom` reads) or a GLUE task's folder (its train.tsv). Only the text
+    columns are read, never a label; each row is one document, each text cell a sentence."""
+    paths: list[str] = field(default_factory=list)
+    # The columns that hold text. null: GLUE's text columns, found by the files' header
+    # (sentence; sentence1 + sentence2; question + sentence; question1 + question2; ...).
+    text_columns: Optional[list] = None
+    source: str = "table"
+
+    def __post_init__(self):
+        self.paths = _paths(self.paths, "corpus.paths")
+        if not self.paths:
+            raise PrepError("corpus.paths is empty: pass the task's files or GLUE folder, e.g. "
+                            "corpus.paths='[data/reviews/train.csv]'")
+        if self.text_columns is not None:
+            if isinstance(self.text_columns, str):
+                self.text_columns = [self.text_columns]
+            if not isinstance(self.text_columns, (list, tuple)) or not self.text_columns or \
+                    not all(isinstance(c, str) and c for c in self.text_columns):
+                raise PrepError(f"corpus.text_columns={self.text_columns!r}: name the text "
+                                f"columns, e.g. corpus.text_columns='[review]'")
+            self.text_columns = list(self.text_columns)
+
+
 CORPUS_CONFIGS = {"text": TextCorpusConfig, "documents": DocumentsCorpusConfig,
-                  "hf": HFCorpusConfig, "builtin": BuiltinCorpusConfig}
+                  "hf": HFCorpusConfig, "builtin": BuiltinCorpusConfig,
+                  "table": TableCorpusConfig}
 
 
 def _corpus_schema(cfg):
@@ -178,7 +208,8 @@ class PrepConfig:
     # max_seq_length, running on into the next document with a [SEP] between documents
     # (RoBERTa's FULL-SENTENCES); doc_sentences stops at the end of each document
     # (DOC-SENTENCES: shorter instances at document ends).
-    packing: str = "nsp_pairs"
+    # auto: full_sentences for the rows of a table (corpus=table), nsp_pairs otherwise.
+    packing: str = "auto"
     seed: int = 12345
     max_seq_length: int = 128
     max_predictions_per_seq: int = 20
@@ -203,8 +234,14 @@ class PrepConfig:
     def __post_init__(self):
         if not self.output_dir:
             raise PrepError("output_dir is not set: pass output_dir=prepared/<name>")
+        # what `packing=auto` chose, for the start-up line (None: the user chose)
+        self.packing_auto = None
+        if self.packing == "auto":
+            self.packing = "full_sentences" if getattr(self.corpus, "source", None) in \
+                ROW_SOURCES else "nsp_pairs"
+            self.packing_auto = self.packing
         if self.packing not in PACKINGS:
-            raise PrepError(f"packing={self.packing!r} is not one of {', '.join(PACKINGS)} "
+            raise PrepError(f"packing={self.packing!r} is not one of auto, {', '.join(PACKINGS)} "
                             "(nsp_pairs: BERT's MLM + NSP pairs; full_sentences, doc_sentences: "
                             "MLM only, as RoBERTa)")
         if not 0 <= self.seed < 2 ** 63:
@@ -257,7 +294,7 @@ class PrepConfig:
         d.pop("hydra", None)
         corpus = d.pop("corpus", None)
         if not isinstance(corpus, dict) or "source" not in corpus:
-            raise PrepError("no corpus chosen: pass corpus=text|documents|hf|builtin")
+            raise PrepError("no corpus chosen: pass corpus=text|documents|hf|builtin|table")
         source = corpus["source"]
         if source not in CORPUS_CONFIGS:
             raise PrepError(f"corpus.source={source!r} is not one of {sorted(CORPUS_CONFIGS)}")

@@ -15,6 +15,8 @@ Sources (``corpus.source``):
   hf         any Hugging Face dataset through `datasets` (hub name, builder + data_files, or a
              save_to_disk directory), one document per row, streaming or not.
   builtin    Python's own documentation (see `builtin_corpus`), no download.
+  table      a labelled task's files (CSV, TSV, JSON lines, a GLUE folder): their text columns
+             only, one document per row (see `table_corpus`).
 
 Files of the text and documents sources may be compressed: gzip, bzip2 and xz always, zstd when
 the `zstandard` package is installed.  The format is told by the file's first bytes, whatever
@@ -313,8 +315,13 @@ def read_builtin(cfg: BuiltinCorpusConfig, exclude: Optional[str] = None) -> Ite
         yield from _sentences_of_document(doc)
 
 
+def _read_table(cfg, exclude: Optional[str] = None) -> Iterator[Sentence]:
+    from data_prep.table_corpus import read_table
+    return read_table(cfg, exclude)
+
+
 READERS = {"text": read_text, "documents": read_documents, "hf": read_hf,
-           "builtin": read_builtin}
+           "builtin": read_builtin, "table": _read_table}
 
 
 def read_corpus(cfg, exclude: Optional[str] = None) -> Iterator[Sentence]:
@@ -323,8 +330,12 @@ def read_corpus(cfg, exclude: Optional[str] = None) -> Iterator[Sentence]:
 
 def fingerprint(cfg, exclude: Optional[str] = None) -> dict:
     """What identifies the input, for the resume check (file sizes and times for files)."""
-    if cfg.source in ("text", "documents"):
-        files = resolve_paths(cfg.paths, exclude)
+    if cfg.source in ("text", "documents", "table"):
+        if cfg.source == "table":
+            from data_prep.table_corpus import table_files
+            files = table_files(cfg.paths, exclude)
+        else:
+            files = resolve_paths(cfg.paths, exclude)
         return {"files": [[os.path.abspath(p), os.path.getsize(p), int(os.path.getmtime(p))]
                           for p in files]}
     if cfg.source == "builtin":

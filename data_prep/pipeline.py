@@ -275,6 +275,11 @@ def run(cfg: PrepConfig) -> Optional[dict]:
         lock = _lock(cfg, out)
     except OSError as e:
         raise os_error(e, f"output_dir={cfg.output_dir!r}", out) from None
+    if cfg.packing_auto:
+        print(f"bert-prep: packing={cfg.packing} (auto: " + (
+            "the rows of a table are independent texts, so MLM only, whole sentences packed "
+            "with [SEP] between them, no next-sentence pairs" if cfg.packing == "full_sentences"
+            else "BERT's MLM + next-sentence pairs") + "; set packing= to choose)", flush=True)
     try:
         return _run(cfg, out)
     except PrepIOError:

@@ -64,6 +64,29 @@ def test_glue_files_that_start_with_a_byte_order_mark(tmp_path):
     assert marked.evals[""].labels.tolist() == plain.evals[""].labels.tolist()
 
 
+def test_tsv_sentences_that_end_with_a_carriage_return(tmp_path):
+    """Public copies of SST-2's train.tsv end every sentence with '\r' before the tab. Read
+    with universal newlines, each row fell apart into the sentence (skipped: too few fields)
+    and a row of an empty sentence with the label (kept): training on empty text. A GLUE
+    folder and a custom TSV file read as the same files without the '\r'."""
+    folder = write_glue_task(str(tmp_path / "glue"), "sst2", n_train=20, n_dev=12)
+    plain = read_task(TaskConfig(name="sst2", data_dir=folder))
+    path = os.path.join(folder, "train.tsv")
+    lines = open(path, encoding="utf-8").read().splitlines()
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(lines[0] + "\n" + "".join(line.replace("\t", "\r\t") + "\n"
+                                          for line in lines[1:]))
+    assert open(path, "rb").read().count(b"\r\t") == 20
+    marked = read_task(TaskConfig(name="sst2", data_dir=folder))
+    assert marked.train.text_a == plain.train.text_a and all(marked.train.text_a)
+    assert marked.train.labels.tolist() == plain.train.labels.tolist()
+    # a custom task's TSV file: the same rows
+    data = read_task(TaskConfig(name="custom", train_file=path, validation_file=path,
+                                text_columns=["sentence"], label_column="label"))
+    assert data.train.text_a == plain.train.text_a
+    assert data.train.labels.tolist() == plain.train.labels.tolist()
+
+
 def test_custom_files_that_start_with_a_byte_order_mark(tmp_path):
     """A spreadsheet's 'CSV UTF-8' export starts with one too: its first column keeps its
     name."""

@@ -48,7 +48,7 @@ def test_cli_bad_inputs(tmp_path):
         (["+colour=blue"], r"unknown setting colour"),
         (["max_seq_length=abc"], r"max_seq_length='abc' is not a valid int"),
         (["corpus=nope"], r"Could not find 'corpus/nope'; Available options in 'corpus': "
-                          r"builtin, documents, hf, text"),
+                          r"builtin, documents, hf, table, text"),
         (["max_seq_lenght=64"], r"Could not override 'max_seq_lenght'"),
         (["corpus=text", f"corpus.paths=[{gz}]"],
          r"cut\.txt\.gz: corrupt or truncated gzip data .*check it, e\.g\. `gzip -t"),

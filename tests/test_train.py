@@ -206,6 +206,61 @@ def test_init_from_takes_weights_only(tmp_path, synthetic):
     assert float(next(iter(opt["state"].values()))["step"]) == 3.0          # a fresh optimizer
 
 
+def test_init_from_a_run_dir_onto_data_of_the_other_kind(tmp_path, synthetic):
+    """Continued pretraining (DAPT) of an MLM + NSP run on MLM-only data, and back: a run
+    directory names its newest checkpoint; the encoder and MLM head carry over exactly, the
+    pooler and NSP head are dropped (or start fresh); data tokenized with another vocabulary
+    is one line that names bert-prep's option for the model's own."""
+    import hashlib
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from bert_pretrain.errors import CheckpointError
+
+    first = str(tmp_path / "first")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={first}",
+                      "trainer.max_steps=4", "trainer.checkpoint_every=2"])
+    source = os.path.join(first, "checkpoints", "step-00000004")   # the newest of 2 and 4
+    frozen = ["trainer.max_steps=2", "optim.lr=1e-12", "trainer.warmup_steps=0",
+              "optim.weight_decay=0"]
+    mlm = str(tmp_path / "mlm")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={mlm}",
+                      f"trainer.init_from={first}", "+model.next_sentence_prediction=false",
+                      *frozen])
+    a = load_file(os.path.join(source, "model.safetensors"))
+    b = load_file(os.path.join(mlm, "checkpoints", "step-00000002", "model.safetensors"))
+    nsp_parts = [k for k in a if k.startswith(("bert.pooler.", "cls.seq_relationship."))]
+    assert nsp_parts and set(b) == set(a) - set(nsp_parts)
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], atol=1e-9, rtol=0)
+    # back to MLM + NSP from the MLM-only run: the encoder carries over, NSP starts fresh
+    both = str(tmp_path / "both")
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={both}",
+                      f"trainer.init_from={mlm}", *frozen])
+    c = load_file(os.path.join(both, "checkpoints", "step-00000002", "model.safetensors"))
+    assert set(c) == set(a)
+    for k in b:
+        torch.testing.assert_close(b[k], c[k], atol=1e-9, rtol=0)
+    # the same data tokenized with another vocabulary
+    other = str(tmp_path / "other_vocab")
+    shutil.copytree(synthetic, other)
+    vocab_file = os.path.join(other, "tokenizer", "vocab.txt")
+    vocab = open(vocab_file).read().split("\n")
+    vocab[10] = "renamed"
+    open(vocab_file, "w").write("\n".join(vocab))
+    manifest = json.load(open(os.path.join(other, "manifest.json")))
+    manifest["tokenizer"]["sha256"] = hashlib.sha256("\n".join(vocab).strip().encode()
+                                                     ).hexdigest()
+    json.dump(manifest, open(os.path.join(other, "manifest.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"another tokenizer .*; prepare the corpus with "
+                       r"the model's vocabulary: bert-prep tokenizer.vocab_file=.*step-00000002"
+                       r"/tokenizer"):
+        train_in_process(["experiment=smoke", f"data.dir={other}",
+                          f"run_dir={tmp_path / 'refused'}", f"trainer.init_from={mlm}",
+                          *frozen])
+
+
 def test_wandb_offline_writes_a_run_directory(tmp_path, synthetic, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))

@@ -552,25 +552,37 @@ def read_train_state(path: str, verify: bool = True) -> dict:
     return verify_checkpoint(path) if verify else _read_json(path)
 
 
+# The parts a model has only with next-sentence prediction: continued pretraining
+# (trainer.init_from) on data of the other kind drops them, or starts them fresh.
+NSP_PARTS = ("bert.pooler.", "cls.seq_relationship.")
+
+
 def check_compatible(path: str, state: dict, model_config: dict,
-                     tokenizer_sha256: Optional[str]) -> None:
-    """Refuse a checkpoint of another model size or tokenizer, naming the differing fields."""
+                     tokenizer_sha256: Optional[str], init: bool = False) -> None:
+    """Refuse a checkpoint of another tokenizer or model size, naming the differing fields.
+    `init` (trainer.init_from: weights only) lets the NSP head differ: the data decides it."""
+    saved_sha = state.get("tokenizer_sha256")
+    if saved_sha and tokenizer_sha256 and saved_sha != tokenizer_sha256:
+        # first: a corpus prepared with its own vocabulary is the common mistake, and a model
+        # size that also differs (vocab_size) is its consequence, not the cause
+        fix = (f"prepare the corpus with the model's vocabulary: bert-prep "
+               f"tokenizer.vocab_file={os.path.join(path, 'tokenizer')} ..." if init else
+               "use data prepared with the same tokenizer")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another tokenizer (sha256 {saved_sha[:12]} vs "
+            f"the data's {tokenizer_sha256[:12]}); {fix}"
+        )
     saved = state.get("model_config", {})
     def value(config, k):
         return config.get(k, _SHAPE_DEFAULTS.get(k))
 
     diff = [f"{k}: checkpoint {value(saved, k)!r} vs config {value(model_config, k)!r}"
-            for k in SHAPE_FIELDS if value(saved, k) != value(model_config, k)]
+            for k in SHAPE_FIELDS if value(saved, k) != value(model_config, k)
+            and not (init and k == "next_sentence_prediction")]
     if diff:
         raise CheckpointError(
             f"checkpoint {path} is for a different model ({'; '.join(diff)}); use the model "
             f"config it was trained with, or another run_dir"
-        )
-    saved_sha = state.get("tokenizer_sha256")
-    if saved_sha and tokenizer_sha256 and saved_sha != tokenizer_sha256:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with another tokenizer (sha256 {saved_sha[:12]} vs "
-            f"the data's {tokenizer_sha256[:12]}); use data prepared with the same tokenizer"
         )
 
 
@@ -581,8 +593,11 @@ def is_sharded(state: dict) -> bool:
     return is_sharded_checkpoint(state)
 
 
-def load_weights(path: str, model: torch.nn.Module) -> None:
-    """The checkpoint's weights into `model` (whole or sharded, whatever wrote the checkpoint)."""
+def load_weights(path: str, model: torch.nn.Module, nsp_may_differ: bool = False) -> None:
+    """The checkpoint's weights into `model`, every one of them; with `nsp_may_differ`
+    (trainer.init_from) the pooler and NSP head may be missing on either side: a saved one the
+    model lacks is dropped, one the model has and the checkpoint lacks keeps its fresh init.
+    Whole or sharded, whatever wrote the checkpoint (shards: every tensor, as saved)."""
     state = _read_json(path)
     if is_sharded(state):
         from .sharded_checkpoint import SHARDED_DIR, load_model_shards
@@ -593,10 +608,35 @@ def load_weights(path: str, model: torch.nn.Module) -> None:
     file = os.path.join(path, "model.safetensors")
     _regular(path, "model.safetensors")
     try:
-        load_model(model, file, strict=True)
+        if not nsp_may_differ:
+            load_model(model, file, strict=True)
+            return
+        from safetensors.torch import load_file
+
+        state = load_file(file)
+        own = model.state_dict()
+        extra = [k for k in state if k not in own and not k.startswith(NSP_PARTS)]
+        if extra:
+            raise ValueError(f"unexpected weight {extra[0]}")
+        result = model.load_state_dict({k: v for k, v in state.items() if k in own},
+                                       strict=False)
+        # tied weights are saved once (save_model): the other name is filled through the tie
+        unfilled = [k for k in result.missing_keys if not k.startswith(NSP_PARTS)
+                    and not _tied(model, k, state)]
+        if unfilled:
+            raise ValueError(f"missing weight {unfilled[0]}")
     except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
         raise CheckpointError(f"cannot load {file}: {str(exc).splitlines()[0]}; the checkpoint "
                               f"is corrupt or from another model") from None
+
+
+def _tied(model: torch.nn.Module, key: str, state: dict) -> bool:
+    """Whether parameter `key` shares its storage with one the file holds (a tied weight)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if key not in params:
+        return False
+    ptr = params[key].data_ptr()
+    return any(k in state and p.data_ptr() == ptr for k, p in params.items() if k != key)
 
 
 def _load_plain(file: str):

@@ -310,3 +310,16 @@ def latest_checkpoint(run_dir: str, verify: bool = True,
                       warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
     """The newest checkpoint of a run's line that verifies (read-only; see CheckpointManager)."""
     return CheckpointManager(run_dir, warn=warn).latest(verify=verify)
+
+
+def init_checkpoint(path: str) -> str:
+    """The checkpoint trainer.init_from names: a checkpoint itself, or a run directory (its
+    newest checkpoint that verifies)."""
+    if os.path.isdir(os.path.join(path, "checkpoints")) and \
+            not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        found = latest_checkpoint(path)
+        if found is None:
+            raise CheckpointError(f"trainer.init_from={path}: the run has no complete "
+                                  f"checkpoint; pass a checkpoints/step-XXXXXXXX directory")
+        return found
+    return path

@@ -189,14 +189,26 @@ def _read_glue_tsv(path: str, task: GlueTask) -> Examples:
 
 def _tsv_rows(path: str):
     # utf-8-sig: GLUE's MRPC files start with a byte order mark, which would otherwise be part
-    # of the first column's name ('\ufeffQuality')
+    # of the first column's name ('\ufeffQuality').
+    # Rows end at '\n' only, and a '\r' at either end of a field is dropped: public copies of
+    # SST-2's train.tsv end every sentence with '\r' before the tab, where a universal-newline
+    # or csv reader ends the row, so the sentence became a short row (skipped) and the label a
+    # row of its own with an empty sentence (kept): training on empty text.
     try:
-        with open(path, encoding="utf-8-sig", newline="") as f:
-            yield from csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        with open(path, encoding="utf-8-sig", newline="\n") as f:
+            for line in f:
+                line = _tsv_line(line)
+                if line:
+                    yield line.split("\t")
     except FileNotFoundError:
         raise DataError(f"{path} is missing; pass the task's complete folder") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read {path} ({exc})") from None
+
+
+def _tsv_line(line: str) -> str:
+    """A TSV line without the '\r's at the ends of its fields (see _tsv_rows)."""
+    return "\t".join(field.strip("\r") for field in line.rstrip("\n").split("\t"))
 
 
 def _label(value, num_labels: int, names, path: str, line: int):
@@ -239,7 +251,8 @@ def _records(path: str):
         raise DataError(f"{path}: no such file")
     ext = os.path.splitext(path)[1].lower()
     try:  # (utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte order mark)
-        with open(path, encoding="utf-8-sig", newline="") as f:
+        # (TSV: rows end at '\n' only, for the reason in _tsv_rows)
+        with open(path, encoding="utf-8-sig", newline="\n" if ext == ".tsv" else "") as f:
             if ext in (".jsonl", ".json"):
                 for n, line in enumerate(f, 1):
                     if line.strip():
@@ -252,7 +265,8 @@ def _records(path: str):
                             raise DataError(f"{path} line {n} is not a JSON object")
                         yield n, record
             elif ext in (".csv", ".tsv"):
-                reader = csv.DictReader(f, delimiter="\t" if ext == ".tsv" else ",",
+                lines = (_tsv_line(line) for line in f) if ext == ".tsv" else f
+                reader = csv.DictReader(lines, delimiter="\t" if ext == ".tsv" else ",",
                                         quoting=csv.QUOTE_NONE if ext == ".tsv"
                                         else csv.QUOTE_MINIMAL)
                 for record in reader:
