@@ -219,7 +219,12 @@ def test_ctrl_c_is_one_line_exit_130_and_resumable(setup, tmp_path):
     args, ref = setup
     driver = tmp_path / "slow.py"
     # Slow shards (0.3 s each) so that the interrupt lands while workers are busy.
-    driver.write_text("import sys, time\nfrom data_prep import pipeline\n"
+    # Ctrl-C as a terminal gives it: a job started in the background by a shell (`cmd &`, as a
+    # CI runner may start the suite) inherits SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt; the driver restores the terminal's disposition first.
+    driver.write_text("import signal, sys, time\n"
+                      "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                      "from data_prep import pipeline\n"
                       "real = pipeline._build_shard\n"
                       "def slow(t):\n    time.sleep(0.3)\n    return real(t)\n"
                       "pipeline._build_shard = slow\n"

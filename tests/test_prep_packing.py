@@ -180,7 +180,7 @@ def test_output_is_deterministic_and_resumes_identically(prep_compose, prep_tagg
 
 def test_packing_settings(prep_compose, tmp_path):
     base = ["corpus=text", "corpus.paths=[x.txt]", f"output_dir={tmp_path}"]
-    with pytest.raises(PrepError, match="packing='pairs' is not one of nsp_pairs, "
+    with pytest.raises(PrepError, match="packing='pairs' is not one of auto, nsp_pairs, "
                                         "full_sentences, doc_sentences"):
         prep_compose(*base, "packing=pairs")
     nsp = prep_compose(*base)

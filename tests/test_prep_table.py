@@ -12,6 +12,7 @@ import pytest
 
 from data_prep.errors import PrepError
 from data_prep.pipeline import run
+from time_limits import hang_limit
 from train_support import REPO
 
 BERT_PREP = os.path.join(REPO, ".venv", "bin", "bert-prep")
@@ -134,7 +135,7 @@ def test_column_mistakes_are_one_line(prep_compose, tmp_path):
     # on the command line: one line, exit 2
     p = subprocess.run([BERT_PREP, "corpus=table", f"corpus.paths=[{csv_file}]",
                         "corpus.text_columns=[reveiw]", f"output_dir={tmp_path / 'cli'}"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=hang_limit())
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip().splitlines() == [
         f"bert-prep: error: {csv_file} has no column 'reveiw' (it has ['review', 'summary', "
