@@ -3,7 +3,9 @@
 launcher with 2 processes trains: the same loss at every step and the same final weights, bit
 for bit (the same two ranks compute the same sums over gloo, whichever launcher started them).
 Once with torchrun and the c10d rendezvous, once with bert-launch and conf/accelerate/
-multi_node.yaml (static rendezvous, --machine_rank)."""
+multi_node.yaml (static rendezvous, --machine_rank).  And sharded (trainer.sharding=fsdp): two
+torchrun nodes train the losses and the final sharded model and optimizer state of one launcher's
+2 FSDP processes bit for bit, and DDP's losses within tests/test_distributed.py's TOL."""
 from __future__ import annotations
 
 import os
@@ -13,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from test_distributed import free_port, train_records
-from test_restarts import assert_bit_equal, data, weights  # noqa: F401 (data: a fixture)
+from test_distributed import assert_same_trajectory, free_port, train_records
+from test_restarts import assert_bit_equal, data, sharded_state, weights  # noqa: F401 (data)
 from time_limits import hang_limit
 
-pytestmark = pytest.mark.slow  # three launches of ~20 s each on a shared 2-core machine
+pytestmark = pytest.mark.slow  # five launches of ~20 s each on a shared 2-core machine
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 10
@@ -29,8 +31,16 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "WANDB_SILENT": "true"}
 
 
-def training(data: str, run_dir: Path) -> list[str]:
-    return ["-m", "bert_pretrain.train", *RUN, f"data.dir={data}", f"run_dir={run_dir}"]
+def training(data: str, run_dir: Path, *overrides: str) -> list[str]:
+    return ["-m", "bert_pretrain.train", *RUN, f"data.dir={data}", f"run_dir={run_dir}",
+            *overrides]
+
+
+def torchrun_nodes(endpoint: str) -> list[list[str]]:
+    """Two launchers, as nodes 0 and 1 of one job, one process each (c10d rendezvous)."""
+    return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank",
+             str(node), "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             endpoint, "--rdzv-id", "two-nodes"] for node in (0, 1)]
 
 
 def run_nodes(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
@@ -61,21 +71,22 @@ def one_launcher(data, tmp_path_factory) -> Path:
     return run_dir
 
 
-def assert_same_run(one: Path, two: Path) -> None:
+def assert_same_losses(one: Path, two: Path) -> None:
     a, b = train_records(one), train_records(two)
     assert sorted(b) == list(range(1, STEPS + 1))
     for step in a:
         for key in ("loss", "mlm_loss", "nsp_loss", "tokens_seen"):
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    assert_same_losses(one, two)
     assert_bit_equal(weights(one, STEPS), weights(two, STEPS))
 
 
 def test_two_torchrun_nodes_train_what_one_launcher_trains(data, one_launcher, tmp_path):
     run_dir, endpoint = tmp_path / "run", f"127.0.0.1:{free_port()}"
-    results = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                          "--node_rank", str(node), "--nproc_per_node", "1", "--rdzv-backend",
-                          "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes",
-                          *training(data, run_dir)] for node in (0, 1)])
+    results = run_nodes([[*node, *training(data, run_dir)] for node in torchrun_nodes(endpoint)])
     # one run of 2 processes: the main process (on node 0) reports, once
     assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in results[0].stdout
     assert sum(r.stdout.count(f"finished at step {STEPS}") for r in results) == 1
@@ -89,3 +100,23 @@ def test_two_bert_launch_machines_train_what_one_launcher_trains(data, one_launc
                 "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
                 "--main_process_port", str(port), *training(data, run_dir)] for node in (0, 1)])
     assert_same_run(one_launcher, run_dir)
+
+
+def test_two_torchrun_nodes_shard_what_one_launcher_shards(data, one_launcher, tmp_path):
+    """FSDP across the two nodes: each launcher's one process holds half of every tensor."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    fsdp = "trainer.sharding=fsdp"
+    r, = run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                     "--master_port", str(free_port()), *training(data, one, fsdp)]])
+    assert "sharding: FSDP2 over 2 process(es)" in r.stdout, r.stdout
+    results = run_nodes([[*node, *training(data, two, fsdp)]
+                         for node in torchrun_nodes(f"127.0.0.1:{free_port()}")])
+    assert "sharding: FSDP2 over 2 process(es)" in results[0].stdout, results[0].stdout
+    assert sum(r.stdout.count(f"finished at step {STEPS}") for r in results) == 1
+    assert_same_losses(one, two)
+    assert_bit_equal(sharded_state(one, STEPS), sharded_state(two, STEPS))
+    # and the two-node FSDP run trains what the DDP launcher trains, within fp32 rounding
+    ddp, sharded = train_records(one_launcher), train_records(two)
+    print(f"max |FSDP two nodes - DDP| loss over {STEPS} steps: " + "%.3g" % max(
+        abs(ddp[s][k] - sharded[s][k]) for s in ddp for k in ("loss", "mlm_loss", "nsp_loss")))
+    assert_same_trajectory(ddp, sharded, range(1, STEPS + 1))  # within TOL

@@ -7,6 +7,12 @@ with the same weights, bit for bit, as the run that was never interrupted.  Ever
 subprocess timeout and a short process-group timeout, so a restart that hangs fails the test
 instead of stalling it.
 
+The same for sharded runs (trainer.sharding=fsdp), killed also inside the sharded save
+(tests/kill_during_save.py's points: as a rank writes its shards, as rank 0 writes DCP's
+metadata, ...): the restart resumes from the last complete sharded checkpoint and ends with the
+uninterrupted FSDP run's weights and optimizer state, bit for bit (the same 2 processes redo the
+same reduce-scatters; the FSDP-vs-DDP tolerance of tests/test_fsdp.py is not needed).
+
 Before components/process_group.py, the restarted workers read their peers' addresses of the
 attempt before from the agent's store (`connectFullMesh ... Connection refused`, or a hang)."""
 from __future__ import annotations
@@ -40,14 +46,21 @@ RUN = ["experiment=smoke", "trainer.max_steps=6", "trainer.global_batch_size=8",
 
 
 def launch(launcher: list[str], run_dir: Path, data: str, fault: str | None = None,
-           *overrides: str) -> subprocess.CompletedProcess:
+           *overrides: str, kill_point: str | None = None) -> subprocess.CompletedProcess:
+    """bert-train under `launcher`; `fault`: BERT_TRAIN_FAULT; `kill_point`: a point of a sharded
+    save (KILL_POINT of tests/kill_during_save.py, which then runs bert-train)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_SILENT": "true"}
-    env.pop("BERT_TRAIN_FAULT", None)
+    for name in ("BERT_TRAIN_FAULT", "KILL_POINT"):
+        env.pop(name, None)
+    program = ["-m", "bert_pretrain.train"]
     if fault:
         env["BERT_TRAIN_FAULT"] = fault
-    cmd = [*launcher, "-m", "bert_pretrain.train", *RUN, f"data.dir={data}",
-           f"run_dir={run_dir}", *overrides]
+    if kill_point:
+        env.update(KILL_POINT=kill_point, KILL_RUN_DIR=str(run_dir), PYTHONPATH=os.pathsep.join(
+            [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]))
+        program = [str(REPO / "tests" / "kill_during_save.py")]
+    cmd = [*launcher, *program, *RUN, f"data.dir={data}", f"run_dir={run_dir}", *overrides]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,
                           timeout=hang_limit())
 
@@ -65,6 +78,21 @@ def failures(r: subprocess.CompletedProcess) -> list[str]:
 
 def weights(run_dir: Path, step: int = 6) -> dict:
     return load_file(str(run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+
+
+def sharded_state(run_dir: Path, step: int = 6) -> dict:
+    """Every tensor of a sharded checkpoint (model and optimizer state, keyed as DCP keys them:
+    `model.<name>`, `optim.state.<name>.exp_avg`, ...), whole, read on this one process."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from bert_pretrain.components import sharded_checkpoint
+
+    folder = str(run_dir / "checkpoints" / f"step-{step:08d}" / sharded_checkpoint.SHARDED_DIR)
+    entries = sharded_checkpoint.read_metadata(folder).state_dict_metadata
+    state = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+             for key, entry in entries.items() if isinstance(entry, TensorStorageMetadata)}
+    sharded_checkpoint._load(folder, state, collective=False, allow_partial=True)
+    return state
 
 
 def steps_saved(run_dir: Path) -> list[int]:
@@ -105,11 +133,16 @@ KILL_POINTS = {
 def test_sigkilled_rank_restarts_and_ends_bit_equal(data, uninterrupted, tmp_path, fault):
     run_dir = tmp_path / "run"
     r = launch(torchrun(), run_dir, data, fault)
+    assert_restarted_once(r, run_dir, KILL_POINTS[fault])
+    assert_bit_equal(weights(uninterrupted), weights(run_dir))
+
+
+def assert_restarted_once(r: subprocess.CompletedProcess, run_dir: Path,
+                          resumed_from: int | None) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     # the kill happened, the first restart came up (no attempt failed joining the group: before
     # process_group.py about every other restart did), and resumed where the test expects
     assert failures(r) == ["-9"], r.stderr[-3000:]
-    resumed_from = KILL_POINTS[fault]
     if resumed_from is None:
         assert "resumed from" not in r.stdout
     else:
@@ -117,10 +150,49 @@ def test_sigkilled_rank_restarts_and_ends_bit_equal(data, uninterrupted, tmp_pat
             == 1, r.stdout
     assert r.stdout.count("bert-train: finished at step 6") == 1
     assert steps_saved(run_dir) == [2, 4, 6]  # no unfinished save left counting as one
-    assert_bit_equal(weights(uninterrupted), weights(run_dir))
     final = json.loads((run_dir / "checkpoints" / "step-00000006" / "trainer_state.json")
                        .read_text())
     assert final["samples_consumed"] == 48
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(data, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted_fsdp") / "run"
+    r = launch(torchrun(restarts=0), run_dir, data, None, "trainer.sharding=fsdp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sharding: FSDP2 over 2 process(es)" in r.stdout, r.stdout
+    return run_dir
+
+
+# Sharded runs: (BERT_TRAIN_FAULT, or a KILL_POINT of kill_during_save.py) -> the checkpoint
+# the restart resumes from.  Every kill of step 4's save before its rename leaves step 2.
+FSDP_KILL_POINTS = {
+    "fault=1:step:5": 4,          # mid-step, after the first micro-batch's backward
+    "fault=0:saved:4": 4,         # right after a complete sharded checkpoint
+    "fault=1:save:4": 2,          # rank 1 wrote its RNG state; rank 0 waits in DCP's save
+    "fault=1:eval:3": 2,          # a sharded evaluation (every forward gathers parameters)
+    "kill=shard-write:1:4": 2,    # rank 1 as it starts writing its shards
+    "kill=metadata:0:4": 2,       # rank 0 (DCP's coordinator) writing .metadata after all shards
+    "kill=gather:1:4": 2,         # rank 1 handing its shards' checksums to rank 0
+    "kill=rename:0:4": 2,         # rank 0 renaming the finished folder into place
+    "kill=pointer:0:4": 4,        # rank 0 after the rename: step 4 is complete
+}
+
+
+@pytest.mark.parametrize("point", list(FSDP_KILL_POINTS))
+def test_sigkilled_rank_of_a_sharded_run_restarts_and_ends_bit_equal(data, uninterrupted_fsdp,
+                                                                      tmp_path, point):
+    run_dir = tmp_path / "run"
+    how, _, spec = point.partition("=")
+    r = launch(torchrun(), run_dir, data, spec if how == "fault" else None,
+               "trainer.sharding=fsdp", kill_point=spec if how == "kill" else None)
+    assert_restarted_once(r, run_dir, FSDP_KILL_POINTS[point])
+    assert "sharding: FSDP2 over 2 process(es)" in r.stdout
+    # model and optimizer state: the difference measured was 0 at every point, so bit-equal
+    # is asserted (not a tolerance: the same 2 processes redo the same sums)
+    expected, got = sharded_state(uninterrupted_fsdp), sharded_state(run_dir)
+    assert any(k.startswith("optim.state.") for k in expected)
+    assert_bit_equal(expected, got)
 
 
 def test_bert_launch_restarts_with_accelerates_flags(data, uninterrupted, tmp_path):
