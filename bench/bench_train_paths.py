@@ -112,8 +112,12 @@ def one_run(tree: Path, path: str, args, data: Path, work: Path) -> dict:
     cmd, threads = train_command(path, overrides)
     load = OtherLoad(own="children")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env_for(tree, threads), cwd=work, capture_output=True,
-                          text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, env=env_for(tree, threads), cwd=work, capture_output=True,
+                              text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"error: {path} run of {tree} took over --timeout {args.timeout} s: "
+                 f"lower --steps or raise --timeout")
     wall = time.perf_counter() - t0
     other = load.cores()
     if proc.returncode != 0:
