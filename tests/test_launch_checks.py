@@ -66,6 +66,29 @@ def test_bert_train_refuses_deepspeed_under_plain_accelerate_launch(monkeypatch)
         make_accelerator(TrainerConfig(cpu=True))
 
 
+@pytest.mark.parametrize("command", ["bert-train", "bert-finetune"])
+def test_a_later_run_in_the_same_process_takes_its_own_device(command):
+    """accelerate caches the process's device (PartialState): on an H100, a trainer.cpu=true
+    resume run in the same process as a GPU run trained on the GPU (tests/test_cuda.py). A
+    device left over from an earlier run (here the meta device stands for the GPU, which this
+    machine may not have) must not reach the next run's accelerator."""
+    import torch
+    from accelerate.state import PartialState
+
+    from bert_pretrain.components.run_setup import make_accelerator
+    from bert_pretrain.components.trainer_config import TrainerConfig
+    from bert_pretrain.finetune.config import FinetuneTrainerConfig
+    from bert_pretrain.finetune.runner import Session
+
+    PartialState(cpu=True).device = torch.device("meta")  # what the earlier run left behind
+    assert PartialState().device.type == "meta"
+    if command == "bert-train":
+        acc, _ = make_accelerator(TrainerConfig(cpu=True))
+    else:
+        acc = Session.start(FinetuneTrainerConfig(cpu=True)).accelerator
+    assert acc.device.type == "cpu"
+
+
 @pytest.mark.parametrize("argv, processes", [
     (["--config_file", os.path.join(CONFIGS, "multi_gpu.yaml")], 8),
     (["--multi_gpu", "--num_processes", "3"], 3),

@@ -10,10 +10,21 @@ from .cpu_runtime import keep_freed_memory
 from ..errors import ConfigError, DataError
 
 
+def reset_accelerate_state() -> None:
+    """Forget accelerate's per-process state before an Accelerator is built, so that each run
+    in one process (tests, sweeps, bert-glue's fine-tunes) takes its own device settings.
+    PartialState too, not only AcceleratorState: it caches the device, and a
+    `trainer.cpu=true` run after a GPU run in the same process trained on the GPU (seen on an
+    H100: tests/test_cuda.py). A process group that is already up is kept (PartialState
+    joins it again)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def make_accelerator(tc):
     """(Accelerator, whether freed memory is kept) for trainer settings `tc`."""
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     from accelerate.utils import GradientAccumulationPlugin
 
     env_accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1")
@@ -31,7 +42,7 @@ def make_accelerator(tc):
             "accelerate is set up for DeepSpeed, which bert-train does not support; for "
             "sharded training use FSDP (conf/accelerate/fsdp.yaml, docs/multi-gpu.md), "
             "otherwise DDP (conf/accelerate/multi_gpu.yaml)")
-    AcceleratorState._reset_state()  # several runs in one process (tests, sweeps)
+    reset_accelerate_state()
     on_cpu = tc.cpu or not torch.cuda.is_available()
     keeps = on_cpu and tc.cpu_keep_freed_memory and keep_freed_memory()
     # Without CUDA, accelerate treats a torchrun / `accelerate launch --multi_gpu` process as

@@ -64,12 +64,12 @@ class Session:
     @classmethod
     def start(cls, trainer_cfg) -> "Session":
         from accelerate import Accelerator
-        from accelerate.state import AcceleratorState
 
         from ..components.cpu_runtime import keep_freed_memory
         from ..components.precision import Precision
+        from ..components.run_setup import reset_accelerate_state
 
-        AcceleratorState._reset_state()  # several commands in one process (tests, sweeps)
+        reset_accelerate_state()  # several commands in one process (tests, sweeps)
         on_cpu = trainer_cfg.cpu or not torch.cuda.is_available()
         if on_cpu:
             keep_freed_memory()
