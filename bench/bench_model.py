@@ -68,8 +68,10 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours": {},
     "ours-no-unpad": {"unpad": False},
     "ours-fused-qkv": {"fused_qkv": True},
+    "ours-split-qkv": {"fused_qkv": False},
     "ours-no-fast-dropout": {"fast_dropout": False},
     "ours-no-sparse-last": {"sparse_last_layer": False},
+    "ours-sparse-last": {"sparse_last_layer": True},
     "ours-no-sparse": {"sparse_prediction": False},
     "ours-no-varlen": {"varlen_attention": "off"},
     "ours-varlen-groups": {"varlen_attention": "groups"},
@@ -78,6 +80,17 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours-compile": {"compile": True},
 }
 IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
+
+
+def same_as_default(switches: dict, device_type: str) -> bool:
+    """Whether a variant runs what the default (`auto`) already runs on this device, e.g.
+    ours-fused-qkv on a GPU, ours-split-qkv on a CPU: timing it twice measures nothing."""
+    impl, default = dataclasses.replace(ModelImpl(), **switches), ModelImpl()
+    return all(getattr(i, name)(device_type) == getattr(default, name)(device_type)
+               for i in (impl,) for name in ("resolved_fused_qkv", "resolved_sparse_last_layer",
+                                             "resolved_varlen_attention")) \
+        and all(getattr(impl, k) == getattr(default, k) for k in switches
+                if k not in ("fused_qkv", "sparse_last_layer", "varlen_attention"))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -290,6 +303,7 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
         names += [v for v, switches in VARIANTS.items()
                   if v != "ours" and (not args.variants or v in args.variants)
                   and set(switches) <= IMPL_FIELDS
+                  and not same_as_default(switches, torch.device(args.device).type)
                   # (compiling takes a minute: only when named, or with --compile)
                   and (v != "ours-compile" or args.variants)]
     if args.compile and "ours-compile" not in names:

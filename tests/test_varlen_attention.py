@@ -315,6 +315,51 @@ def test_auto_picks_per_device(device, expected):
     assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_fused_qkv_and_sparse_last_layer_auto_per_device(device):
+    """auto: the fused Q/K/V projection and the full last layer on GPUs (1.29x and 1.21x a
+    BERT-base training step on an H100, docs/gpu.md), neither on CPUs (measured slower there);
+    an explicit value stands on every device, anything else is one clear error."""
+    gpu = device != "cpu"
+    impl = ModelImpl()
+    assert impl.fused_qkv == impl.sparse_last_layer == "auto"
+    assert impl.resolved_fused_qkv(device) is gpu
+    assert impl.resolved_sparse_last_layer(device) is (not gpu)
+    for value in (True, False):
+        assert ModelImpl(fused_qkv=value).resolved_fused_qkv(device) is value
+        assert ModelImpl(sparse_last_layer=value).resolved_sparse_last_layer(device) is value
+    line = describe(impl, None, device)
+    assert ("fused qkv (auto on cuda)" in line) is gpu
+    assert ("sparse prediction + last layer" in line) is (not gpu)
+    with pytest.raises(ValueError, match="impl.fused_qkv must be true, false or auto, got 'yes'"):
+        ModelImpl(fused_qkv="yes")
+
+
+def test_the_layers_run_what_their_device_resolves(monkeypatch):
+    """The layers ask the device they run on, not the config's literal `auto`: with the
+    resolution patched to what a GPU gets, a CPU step runs the fused [3H, H] projection and the
+    full last layer, and computes the same step as the CPU's own choice."""
+    import torch.nn.functional as F
+
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch = make_batch(cfg)
+    torch.manual_seed(0)
+    reference = BertForPreTraining(cfg, ModelImpl(fused_qkv=False, sparse_last_layer=True))
+    model = BertForPreTraining(cfg, ModelImpl())
+    model.load_state_dict(reference.state_dict())
+    asked, fused = [], []
+    monkeypatch.setattr(ModelImpl, "resolved_fused_qkv",
+                        lambda self, device: asked.append(("qkv", device)) or True)
+    monkeypatch.setattr(ModelImpl, "resolved_sparse_last_layer",
+                        lambda self, device: asked.append(("last", device)) or False)
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: fused.append(
+        w.shape[0] == 3 * cfg.hidden_size) or linear(x, w, b))
+    assert_same_step(reference, model, batch)
+    assert ("qkv", "cpu") in asked and ("last", "cpu") in asked
+    assert sum(fused) >= cfg.num_hidden_layers  # every layer's Q/K/V in one GEMM
+
+
 @pytest.mark.parametrize("attention,device,dropout,expected", [
     ("sdpa", "cpu", True, "eager"), ("sdpa", "cpu", False, "sdpa"), ("sdpa", "cuda", True, "sdpa"),
     ("auto", "cpu", False, "eager"), ("eager", "cuda", False, "eager")])

@@ -35,7 +35,6 @@ class BertSelfAttention(nn.Module):
         self.head_size = config.head_size
         self.hidden_size = config.hidden_size
         self.dropout_prob = config.attention_probs_dropout_prob
-        self.fused_qkv = impl.fused_qkv
         self.fast_dropout = impl.fast_dropout
         self.impl = impl
         self.query = nn.Linear(config.hidden_size, config.hidden_size)
@@ -53,7 +52,7 @@ class BertSelfAttention(nn.Module):
 
     def _qkv(self, hidden: torch.Tensor):
         """Q, K, V in `hidden`'s own shape."""
-        if self.fused_qkv:
+        if self.impl.resolved_fused_qkv(hidden.device.type):
             # One GEMM with a 3x wider output instead of three; the concatenated weight is rebuilt
             # each call (cheap next to the GEMM) so the parameters keep transformers' names.
             weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])

@@ -161,7 +161,7 @@ class BertForPreTraining(nn.Module):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
-        if sparse and self.impl.sparse_last_layer:
+        if sparse and self.impl.resolved_sparse_last_layer(input_ids.device.type):
             keep = labels != IGNORE_INDEX
         enc = self.bert(input_ids, attention_mask, token_type_ids, output_attentions,
                         output_hidden_states, keep)

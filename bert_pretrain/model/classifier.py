@@ -79,7 +79,7 @@ class BertForSequenceClassification(nn.Module):
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         keep = None
-        if self.impl.sparse_last_layer:
+        if self.impl.resolved_sparse_last_layer(input_ids.device.type):
             # Only the pooled [CLS] vector is read: the last layer computes that row alone.
             keep = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
         pooled = self.bert(input_ids, attention_mask, token_type_ids, keep=keep).pooled_output

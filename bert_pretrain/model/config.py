@@ -165,10 +165,11 @@ class ModelImpl:
     sparse_prediction: bool = True
     """With labels: run the MLM transform and the vocabulary projection only on labelled
     positions (~15%). The full-vocab projection dominates small models' steps."""
-    sparse_last_layer: bool = True
+    sparse_last_layer: bool | str = "auto"
     """With sparse prediction: the last layer computes its query projection, attention output,
     FFN and LayerNorms only for the labelled positions and [CLS] (all that is read after it);
-    keys and values still come from every token."""
+    keys and values still come from every token. auto: on CPUs, not on GPUs
+    (`resolved_sparse_last_layer`)."""
     unpad: bool = True
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
     attention product itself."""
@@ -184,10 +185,9 @@ class ModelImpl:
     fused kernels on a GPU);
     auto: what measured fastest on the device (`resolved_varlen_attention`).
     true / false are read as groups / off (their meaning before `nested` and `auto`)."""
-    fused_qkv: bool = False
-    """One [3H, H] projection for query/key/value instead of three (same parameters). Off by
-    default: ~4% slower on CPU (bench/bench_model.py), where the split/permute copies cost more
-    than the one wider GEMM saves; try it on GPUs."""
+    fused_qkv: bool | str = "auto"
+    """One [3H, H] projection for query/key/value instead of three (same parameters). auto: on
+    GPUs, not on CPUs (`resolved_fused_qkv`)."""
     fast_dropout: bool = True
     """CPU only: dropout masks from raw 31-bit random integers instead of torch's float
     Bernoulli sampler (same drop probability, ~1.5x cheaper; see dropout.py)."""
@@ -213,8 +213,12 @@ class ModelImpl:
             f"impl.varlen_attention {self.varlen_attention!r} is not supported; use one of "
             f"{', '.join(VARLEN_ATTENTION)} (or true / false: groups / off)",
         )
-        for name in ("sparse_prediction", "sparse_last_layer", "unpad", "fused_qkv",
-                     "fast_dropout", "gradient_checkpointing", "compile"):
+        for name in ("sparse_last_layer", "fused_qkv"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool) or value == "auto",
+                   f"impl.{name} must be true, false or auto, got {value!r}")
+        for name in ("sparse_prediction", "unpad", "fast_dropout", "gradient_checkpointing",
+                     "compile"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
         _check(
@@ -236,6 +240,21 @@ class ModelImpl:
         if self.varlen_attention != "auto":
             return self.varlen_attention
         return "groups" if device_type == "cpu" else "off"
+
+    def resolved_fused_qkv(self, device_type: str) -> bool:
+        """Whether `fused_qkv` fuses on a device type: `auto` fuses on GPUs, where one wider
+        GEMM made a BERT-base training step 1.29x faster (H100, bf16, b256 L128, one bench run,
+        2026-11-26, docs/gpu.md), and not on CPUs, where the split/permute copies cost more
+        than the GEMM saves (~4% slower, docs/benchmarks.md)."""
+        return device_type != "cpu" if self.fused_qkv == "auto" else self.fused_qkv
+
+    def resolved_sparse_last_layer(self, device_type: str) -> bool:
+        """Whether `sparse_last_layer` thins the last layer on a device type: `auto` does on
+        CPUs (fewer FLOPs is less time there) and not on GPUs, where gathering the labelled
+        rows cost more than the FLOPs it saved: the full last layer made a BERT-base training
+        step 1.21x faster (H100, bf16, b256 L128, one bench run, 2026-11-26, docs/gpu.md)."""
+        return device_type == "cpu" if self.sparse_last_layer == "auto" \
+            else self.sparse_last_layer
 
     def resolved_attention(self, device_type: str, dropout: bool = True) -> str:
         """The attention product `attention` runs on a device type while training with

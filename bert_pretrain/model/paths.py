@@ -71,7 +71,8 @@ def describe(impl: ModelImpl, config: BertConfig | None, device_type: str, *,
     if relative and varlen == "nested":
         runs += (f" ({config.position_embedding_type} positions are a score bias, which "
                  f"nested tensors do not take)")
-    if plain.grid == "groups" and impl.sparse_prediction and impl.sparse_last_layer:
+    sparse_last = impl.resolved_sparse_last_layer(device_type)
+    if plain.grid == "groups" and impl.sparse_prediction and sparse_last:
         runs += " (the last layer's labelled rows: padded grid)"
     if locality is not None:
         biased = attention_path(impl, device_type, score_bias=True, dropout=dropout)
@@ -86,11 +87,12 @@ def describe(impl: ModelImpl, config: BertConfig | None, device_type: str, *,
                                     else " (with dropout on cpu)" if attention != impl.attention
                                     else "")
         + f": runs {runs}",
-        "sparse prediction" + (" + last layer" if impl.sparse_last_layer else "")
+        "sparse prediction" + (" + last layer" if sparse_last else "")
         if impl.sparse_prediction else "dense prediction",
     ]
-    if impl.fused_qkv:
-        parts.append("fused qkv")
+    if impl.resolved_fused_qkv(device_type):
+        parts.append("fused qkv" + (f" (auto on {device_type})" if impl.fused_qkv == "auto"
+                                    else ""))
     if impl.fast_dropout and device_type == "cpu":
         parts.append("fast dropout")
     if impl.gradient_checkpointing:
