@@ -104,7 +104,7 @@ bench: install-test ## Run the benchmarks (tables on stdout, JSON under bench/re
 # it would change whatever python3 is first on PATH.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
-gpu-check: ## GPU machine only: tests, bench, train, GLUE in 8 min (bench/gpu_check.py); installs the project (pip -e, no deps) and .whl/ wheels into GPU_PYTHON (python3 on PATH), not .venv
+gpu-check: ## GPU machine only: GPU tests, bench, train, SST-2, suite (bench/gpu_check.py, docs/gpu.md); installs the project (pip -e, no deps) and .whl/ wheels into GPU_PYTHON (python3 on PATH), not .venv
 	@if [ -d .whl ]; then \
 	  echo "gpu-check: installing the staged wheels (.whl/) into /tmp/site"; \
 	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade \

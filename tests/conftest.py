@@ -31,6 +31,21 @@ def pytest_addoption(parser):
     parser.addoption("--cuda", action="store_true",
                      help="keep the GPU visible and run the tests marked cuda (make test-cuda); "
                           "without it the suite runs on the CPU whatever the machine has")
+    parser.addoption("--failure-log", default=None, metavar="FILE",
+                     help="append each failing test's report to FILE as it fails (a run cut "
+                          "short by a time limit keeps its tracebacks; make gpu-check)")
+
+
+def pytest_runtest_logreport(report):
+    """--failure-log: the failure, written when it happens rather than in the summary at the
+    end (with pytest-xdist the workers' reports arrive here, in the controller)."""
+    path = _FAILURE_LOG.get("path")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+_FAILURE_LOG: dict = {}
 
 
 def pytest_configure(config):
@@ -41,6 +56,8 @@ def pytest_configure(config):
     are marked `cuda` and run with --cuda (tests/test_cuda.py)."""
     if not config.getoption("--cuda"):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if config.getoption("--failure-log") and not hasattr(config, "workerinput"):
+        _FAILURE_LOG["path"] = config.getoption("--failure-log")  # the controller writes
 
 
 def pytest_collection_modifyitems(config, items):

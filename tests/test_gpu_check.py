@@ -53,7 +53,8 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
                for r in stage.get("runs", [stage])}
     statuses = {name: r["status"] for name, r in records.items()}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
-                        "bert_train": "ok", "bert_train_resume": "ok", "bert_glue": "ok",
+                        "bert_train": "ok", "bert_train_resume": "ok",
+                        "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
     # the compile bench comes last, after the suites
     assert max(records.values(), key=lambda r: r["started_s"])["name"] == \
@@ -64,8 +65,41 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
                                                       "ours-varlen-nested"}
     assert results["train"]["median_tokens_per_s"] > 0
     assert results["train"]["resume_tokens_per_s"] > 0
-    assert "run_gpu_mini (random init)" in summary   # the control beside the model
+    # the control beside the model, the gap said
+    assert "| pretrained | " in summary and "| random | " in summary
+    assert "Pretrained minus random init: " in summary
     assert (out / "pytest_default.xml").is_file() and (out / "env.json").is_file()
+
+
+@pytest.mark.slow
+def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
+    """A lease's plan (docs/gpu.md): call 1 runs the GPU tests, the bench and the training
+    with the default suite beside them on the other CPUs; call 2, into the same folder, the
+    fine-tunes and the late bench. The summary holds both calls' records and the SST-2 table."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the suite runs beside only with at least 2 CPUs")
+    glue = tmp_path / "glue"
+    write_glue_task(str(glue), "sst2")
+    out = tmp_path / "out"
+    first = run("--allow-cpu", "--quick", "--out", str(out), "--glue", str(glue),
+                "--train-seconds", "8", "--budget", "900", "--suite-beside",
+                "--stages", "cuda-tests", "bench", "train", "default-suite")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "the default suite runs beside, on " in first.stdout
+    second = run("--allow-cpu", "--quick", "--out", str(out), "--glue", str(glue),
+                 "--budget", "600", "--stages", "glue", "late-bench")
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    statuses = {r["name"]: r["status"] for stage in results["stages"].values()
+                for r in stage.get("runs", [stage])}
+    assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
+                        "bert_train": "ok", "bert_train_resume": "ok",
+                        "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
+                        "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
+    assert results["stages"]["default-suite"]["beside_on_cpus"] >= 1
+    summary = (out / "summary.md").read_text()
+    assert "| pretrained | " in summary and "Pretrained minus random init: " in summary
+    assert "| pytest_default | ok |" in summary
 
 
 def test_a_spent_budget_leaves_the_rest_not_run(tmp_path):
