@@ -53,8 +53,9 @@ class RecipeConfig:
     pooling: str = "cls"
     """What the classifier reads: cls (the pooled [CLS] vector, transformers'
     BertForSequenceClassification) or mean (the last layer's states averaged over the real
-    tokens, no pooler: for an MLM-only encoder, whose [CLS] output and pooler never trained;
-    its model does not load in transformers)."""
+    tokens, no pooler: states an MLM-only encoder did train, unlike its [CLS] output; its
+    model does not load in transformers). On SST-2 mean was no better than cls, even for an
+    MLM-only model (docs/finetuning-results.md, "In-domain pretraining")."""
 
     def __post_init__(self) -> None:
         if not self.lrs or not all(lr > 0 for lr in self.lrs):
