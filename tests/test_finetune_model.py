@@ -114,3 +114,60 @@ def test_an_mlm_only_encoder_gets_a_fresh_pooler():
 def test_bad_num_labels():
     with pytest.raises(ValueError, match="num_labels must be a positive integer"):
         BertForSequenceClassification(CFG, 0)
+
+
+def _mean_head(switches=None):
+    torch.manual_seed(0)
+    return BertForSequenceClassification(CFG, 3, dataclasses.replace(ModelImpl(),
+                                                                     **(switches or {})),
+                                         pooling="mean").eval()
+
+
+@pytest.mark.parametrize("switches", [{}, {"unpad": False}, {"varlen_attention": "off"},
+                                      {"varlen_attention": "nested"}])
+def test_mean_pooling_is_the_mean_over_real_tokens_whatever_the_padding(switches):
+    """Each sequence scored alone, unpadded, and its states averaged by hand gives the logits
+    the batch gives; padding the batch further changes nothing."""
+    model = _mean_head(switches)
+    ids, mask, types = _inputs()
+    with torch.no_grad():
+        batch = model(ids, mask, types).logits
+        wider = torch.nn.functional.pad
+        padded = model(wider(ids, (0, 7)), wider(mask, (0, 7)), wider(types, (0, 7))).logits
+        for row in range(len(ids)):
+            n = int(mask[row].sum())
+            alone = model.bert(ids[row:row + 1, :n], None, types[row:row + 1, :n])
+            states = alone.layout.to_grid(alone.sequence_output)[0]  # [n, H]
+            reference = model.classifier(states.sum(0) / n)
+            torch.testing.assert_close(batch[row], reference, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded, batch, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(batch[0], batch[1])
+
+
+def test_mean_pooling_trains_no_pooler_and_takes_the_encoder_without_one():
+    """No parameter outside what the loss reaches (DDP would wait for its gradient); an NSP
+    model's pooler is left out of the load, the rest is taken."""
+    model = _mean_head()
+    assert model.bert.pooler is None
+    pretrained = BertForPreTraining(CFG)
+    assert model.load_encoder(pretrained.state_dict()) is False
+    for name, tensor in model.bert.state_dict().items():
+        torch.testing.assert_close(tensor, pretrained.bert.state_dict()[name], msg=name)
+    ids, mask, types = _inputs()
+    model.train()
+    model(ids, mask, types, labels=torch.tensor([0, 2, 1, 2])).loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_cls_head_is_the_default_and_unchanged():
+    """pooling="cls" builds, initialises and computes exactly what the head did before the
+    option (the transformers parity above covers the default)."""
+    torch.manual_seed(0)
+    default = BertForSequenceClassification(CFG, 2)
+    torch.manual_seed(0)
+    cls = BertForSequenceClassification(CFG, 2, pooling="cls")
+    assert default.pooling == "cls" and default.bert.pooler is not None
+    for (name, a), (_, b) in zip(default.state_dict().items(), cls.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="pooling must be one of cls, mean, got 'max'"):
+        BertForSequenceClassification(CFG, 2, pooling="max")

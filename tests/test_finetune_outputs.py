@@ -139,6 +139,41 @@ def test_other_settings_are_written_beside_and_the_same_settings_reuse(run, task
     assert "(precision differ)" in capsys.readouterr().out
 
 
+def test_a_mean_pooled_model_is_kept_for_this_project_only(run, task, tmp_path, capsys,
+                                                           one_thread):
+    """recipe.pooling=mean: its results are not the cls head's (written beside them; the cls
+    identity is what it was before the option), and its model has no config.json that
+    transformers would read as a [CLS] classifier: hf_config refuses it in one line, and
+    load_classifier rebuilds the mean head that scored what the grid reported."""
+    from bert_pretrain.errors import UserError
+    from bert_pretrain.finetune.export import hf_config, load_classifier
+    from bert_pretrain.finetune.pretrained import load_pretrained
+    from bert_pretrain.finetune.reading import read_task
+    from bert_pretrain.finetune.tasks import TaskConfig
+
+    base = [*task, f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={tmp_path / 'out'}"]
+    finetune_in_process(base)
+    assert "pooling" not in json.loads((tmp_path / "out" / "identity.json").read_text())["recipe"]
+    mean = finetune_in_process([*base, "recipe.pooling=mean"])
+    assert mean["out_dir"] == str(tmp_path / "out-2")
+    assert "holds a fine-tune with other settings (recipe differ)" in capsys.readouterr().out
+    model_dir = tmp_path / "out-2" / "model"
+    assert "config.json" not in os.listdir(model_dir)
+    model = load_classifier(str(model_dir))
+    assert model.pooling == "mean" and model.bert.pooler is None
+    with pytest.raises(UserError, match=r"^a mean-pooled classifier \(recipe.pooling=mean\) has "
+                                        r"no transformers equivalent"):
+        hf_config(model, SimpleNamespace(label_names=None, name="custom", title="T"))
+    cfg = {o.split("=", 1)[0].split(".")[-1]: o.split("=", 1)[1] for o in task[1:]}
+    dev = read_task(TaskConfig(name="custom", train_file=cfg["train_file"],
+                               validation_file=cfg["validation_file"], text_columns=["text"]))
+    tokenizer = load_pretrained(run).tokenizer()
+    with torch.no_grad():
+        right = [model(torch.tensor([tokenizer.encode(t).ids])).logits.argmax(-1).item() == y
+                 for t, y in zip(dev.evals[""].text_a, dev.evals[""].labels)]
+    assert sum(right) / len(right) == pytest.approx(mean["metrics"]["accuracy"])
+
+
 # --------------------------------------------------------------------------- the summary
 
 

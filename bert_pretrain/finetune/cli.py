@@ -47,7 +47,7 @@ def finetune(s, config_yaml: str) -> dict:
     say = say_main(session)
     try:
         pretrained = load_pretrained(s.model)
-        for note in pretrained.notes:
+        for note in pretrained.warnings(s.recipe.pooling):
             say(f"bert-finetune: warning: {note}")
         job = prepare_job(s, pretrained, config_yaml, say, precision=session.precision)
         cfg = pretrained.config

@@ -50,6 +50,12 @@ class RecipeConfig:
     dropout: Optional[float] = 0.1
     """Dropout of the encoder (hidden and attention probabilities) and before the classifier;
     null = the pretrained model's own (budget recipes pretrain without dropout)."""
+    pooling: str = "cls"
+    """What the classifier reads: cls (the pooled [CLS] vector, transformers'
+    BertForSequenceClassification) or mean (the last layer's states averaged over the real
+    tokens, no pooler: states an MLM-only encoder did train, unlike its [CLS] output; its
+    model does not load in transformers). On SST-2 mean was no better than cls, even for an
+    MLM-only model (docs/finetuning-results.md, "In-domain pretraining")."""
 
     def __post_init__(self) -> None:
         if not self.lrs or not all(lr > 0 for lr in self.lrs):
@@ -76,6 +82,11 @@ class RecipeConfig:
             raise ValueError("recipe.max_grad_norm must be > 0 or null")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"recipe.dropout must be in [0, 1) or null, got {self.dropout}")
+        from ..model.classifier import POOLINGS  # (torch: only once a recipe is checked)
+
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"recipe.pooling must be one of {', '.join(POOLINGS)}, got "
+                             f"{self.pooling!r}")
 
 
 @dataclass

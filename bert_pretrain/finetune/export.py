@@ -3,7 +3,8 @@ AutoModelForSequenceClassification, AutoTokenizer) loads with no code from this 
 config.json (num_labels, id2label, problem_type), model.safetensors in transformers' key names,
 the tokenizer files; plus classifier.json, from which `load_classifier` rebuilds OUR model
 (also for pre-LN and, under transformers >= 5, relative-position encoders, which transformers
-cannot compute: their directory has no config.json, so nothing loads them as something else),
+cannot compute, and for a mean-pooled head, which it does not have: their directory has no
+config.json, so nothing loads them as something else),
 and identity.json: which fine-tune it is (identity.py).
 
 The tokenizer files are the pretrained model's tokenizer as its format lists them
@@ -31,6 +32,10 @@ def hf_config(model, data) -> dict:
     """transformers' config.json for `model` (UserError where transformers cannot compute it)."""
     from ..tools.export import representable
 
+    if model.pooling != "cls":
+        raise UserError(f"a {model.pooling}-pooled classifier (recipe.pooling={model.pooling}) "
+                        f"has no transformers equivalent (BertForSequenceClassification reads "
+                        f"the pooled [CLS] vector); load it with load_classifier")
     representable(model.config)
     names = data.label_names or [f"LABEL_{i}" for i in range(model.num_labels)]
     return {**model.config.to_hf_dict(), "architectures": ["BertForSequenceClassification"],
@@ -60,7 +65,7 @@ def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bo
                for k, v in model.hf_state_dict().items()}
     ours = {"model_config": model.config.to_dict(), "num_labels": model.num_labels,
             "label_names": data.label_names, "task": data.name, "title": data.title,
-            "metrics": list(data.metrics), "lr": identity.get("lr"),
+            "metrics": list(data.metrics), "pooling": model.pooling, "lr": identity.get("lr"),
             "seed": identity.get("seed")}
     parent, name = os.path.split(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -130,8 +135,10 @@ def load_classifier(path: str):
     try:
         with open(os.path.join(path, CLASSIFIER_JSON), encoding="utf-8") as f:
             ours = json.load(f)
+        # (no "pooling": written before the option, a cls head)
         model = BertForSequenceClassification(BertConfig.from_dict(ours["model_config"]),
-                                              int(ours["num_labels"]))
+                                              int(ours["num_labels"]),
+                                              pooling=ours.get("pooling", "cls"))
         model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"cannot load the fine-tuned model in {path} "

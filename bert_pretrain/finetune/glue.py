@@ -52,7 +52,7 @@ def run_glue(g, config_yaml: str = "") -> dict:
         for label, path, init in entries:
             if path not in loaded:
                 loaded[path] = load_pretrained(path)
-                for note in loaded[path].notes:
+                for note in loaded[path].warnings(g.recipe.pooling):
                     say(f"bert-glue: warning: {note}")
             summaries = {}
             for task in g.tasks:

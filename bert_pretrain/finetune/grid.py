@@ -67,7 +67,9 @@ def prepare_job(s, pretrained, config_yaml: str, say=print, *, precision: str) -
                          if k not in TASK_PATHS},
                 "data": data_sha256(data), "precision": precision,
                 "recipe": {k: v for k, v in dataclasses.asdict(s.recipe).items()
-                           if k not in ("lrs", "seeds")}}
+                           if k not in ("lrs", "seeds")
+                           # the default pooling is what results before the option were of
+                           and not (k == "pooling" and v == "cls")}}
     return Job(s, pretrained, data, train, evals, config_yaml, identity)
 
 

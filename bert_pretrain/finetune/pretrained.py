@@ -26,11 +26,18 @@ class Pretrained:
     """The checkpoint or directory the weights came from (a run dir resolves to its newest
     valid checkpoint)."""
     notes: list
-    """Warnings worth showing (e.g. no pooler in the directory: freshly initialised)."""
+    """Warnings worth showing (e.g. a link among the tokenizer's files: not copied)."""
     tokenizer_files: list = field(default_factory=list)
     """The tokenizer's files in tokenizer_dir that a fine-tuned model ships (model_loading)."""
     content_sha256: str = ""
     """A hash of what the source holds (its weights, config and tokenizer)."""
+    pooler_notes: list = field(default_factory=list)
+    """No pooler in the model: the classifier's is freshly initialised (the cls head's only;
+    the mean head has none)."""
+
+    def warnings(self, pooling: str) -> list:
+        """The warnings for a fine-tune whose head pools as `pooling` (recipe.pooling)."""
+        return (self.pooler_notes if pooling == "cls" else []) + self.notes
 
     def tokenizer(self):
         from ..tools.model_loading import LoadedModel, load_tokenizer
@@ -81,15 +88,15 @@ def load_pretrained(path: str) -> Pretrained:
         loaded = load_model(path)
     # Of the pretraining heads only the pooler is used by a classifier; the MLM / NSP heads a
     # BertModel or BertForMaskedLM directory lacks do not matter here.
-    notes = [f"{path} has no pooler weights: freshly initialised, as transformers does"
-             for w in caught if "bert.pooler" in str(w.message)]
+    pooler_notes = [f"{path} has no pooler weights: freshly initialised, as transformers does"
+                    for w in caught if "bert.pooler" in str(w.message)]
     if not getattr(loaded.model.config, "next_sentence_prediction", True):
-        notes.append(f"{path} is an MLM-only model (no pooler): the classifier's pooler is "
-                     f"freshly initialised, as transformers does")
+        pooler_notes.append(f"{path} is an MLM-only model (no pooler): the classifier's pooler "
+                            f"is freshly initialised, as transformers does")
     if loaded.tokenizer_dir is None:
         raise CheckpointError(f"{loaded.source} has no tokenizer (vocab.txt or tokenizer.json) "
                               f"beside it; a fine-tune must tokenize as the pretraining did")
-    notes += loaded.left_out  # a link among the tokenizer's files: not copied
+    notes = list(loaded.left_out)  # a link among the tokenizer's files: not copied
     state = {k: v for k, v in loaded.model.state_dict().items() if k.startswith("bert.")}
     return Pretrained(loaded.model.config, state, loaded.tokenizer_dir, loaded.source, notes,
-                      loaded.tokenizer_files, content_sha256(loaded))
+                      loaded.tokenizer_files, content_sha256(loaded), pooler_notes)

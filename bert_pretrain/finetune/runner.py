@@ -226,7 +226,8 @@ class FineTune:
         config = job.pretrained.fine_tuning_config(recipe.dropout)
         set_seed(self.seed)  # the head's (or, from random init, the whole model's) weights
         model = BertForSequenceClassification(config, job.data.num_labels,
-                                              ModelImpl.from_dict(job.settings.impl))
+                                              ModelImpl.from_dict(job.settings.impl),
+                                              pooling=recipe.pooling)
         if job.settings.init == "pretrained":
             model.load_encoder(job.pretrained.encoder_state)
         micro = self.tc.micro_batch_size or recipe.batch_size // session.world
