@@ -86,11 +86,13 @@ def same_as_default(switches: dict, device_type: str) -> bool:
     """Whether a variant runs what the default (`auto`) already runs on this device, e.g.
     ours-fused-qkv on a GPU, ours-split-qkv on a CPU: timing it twice measures nothing."""
     impl, default = dataclasses.replace(ModelImpl(), **switches), ModelImpl()
-    return all(getattr(i, name)(device_type) == getattr(default, name)(device_type)
-               for i in (impl,) for name in ("resolved_fused_qkv", "resolved_sparse_last_layer",
-                                             "resolved_varlen_attention")) \
-        and all(getattr(impl, k) == getattr(default, k) for k in switches
-                if k not in ("fused_qkv", "sparse_last_layer", "varlen_attention"))
+    resolved = ("resolved_fused_qkv", "resolved_sparse_last_layer", "resolved_varlen_attention")
+    return all(getattr(impl, r)(device_type) == getattr(default, r)(device_type)
+               for r in resolved) and \
+        all(getattr(impl, k) == getattr(default, k) for k in switches
+            if k not in ("fused_qkv", "sparse_last_layer", "varlen_attention"))
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -277,6 +277,7 @@ def stage_train(c: Check) -> None:
             # a copy continues (the resume's start-up, its first steps' rate and losses), so
             # that the glue stage fine-tunes the model of the budget itself
             resumed = c.out / "run_gpu_mini_resumed"
+            shutil.rmtree(resumed, ignore_errors=True)  # (a second call into the same --out)
             shutil.copytree(run_dir, resumed)
             records.append(c.run("train", "bert_train_resume", common + [
                 f"run_dir={resumed}", "resume=auto", f"trainer.budget_hours={hours * 1.05}"],

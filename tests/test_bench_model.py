@@ -130,3 +130,19 @@ def test_baseline_revision_is_timed_beside_ours_on_new_batches(tmp_path):
                          timeout=hang_limit())
     assert bad.returncode != 0
     assert bad.stderr.strip().splitlines()[-1].startswith("error: --baseline no-such-rev: git")
+
+
+def test_a_variant_the_device_already_runs_is_not_timed_again():
+    """With fused Q/K/V and the full last layer `auto` per device, `ours-fused-qkv` is the
+    default on a GPU and `ours-split-qkv` on a CPU: the bench skips whichever equals `ours`."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_model import same_as_default
+
+    assert same_as_default({"fused_qkv": False}, "cpu")
+    assert not same_as_default({"fused_qkv": True}, "cpu")
+    assert same_as_default({"fused_qkv": True}, "cuda")
+    assert same_as_default({"sparse_last_layer": False}, "cuda")
+    assert not same_as_default({"sparse_last_layer": False}, "cpu")
+    assert not same_as_default({"unpad": False}, "cuda")
+    assert same_as_default({"varlen_attention": "off"}, "cuda")
+    assert not same_as_default({"varlen_attention": "nested"}, "cuda")
