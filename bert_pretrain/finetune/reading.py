@@ -259,7 +259,7 @@ def _read_table(path: str, cfg: TaskConfig) -> tuple:
         missing = [c for c in columns if c not in record]
         if missing:
             raise DataError(f"{path} has no column {missing[0]!r} (it has "
-                            f"{[k for k in record if k is not None]}); set task.text_columns / "
+                            f"{list(record)}); set task.text_columns / "
                             f"task.label_column")
         for column, values in zip(cfg.text_columns, texts):
             value = record[column]
