@@ -7,18 +7,16 @@ the header): a label column never reaches the tokenizer or the instances.  Each 
 document and each of its text cells one sentence (a cell with line breaks: one per line), so the
 rows of a single-sentence task stay whole and apart.
 
-The formats follow bert-finetune's readers (bert_pretrain/finetune/reading.py), which data_prep
-may not import (docs/architecture.md): TSV without quoting (GLUE's files), rows ending at '\\n'
-only with a '\\r' at a field's ends dropped (public copies of SST-2's train.tsv end every
-sentence with one), CSV with quoting, a byte order mark ignored.
+The files are read by the rules bert-finetune reads them by (TSV without quoting, CSV with it,
+a byte order mark ignored): one reader, bert_pretrain/components/table_files.py, holds them.
 """
 from __future__ import annotations
 
-import csv
-import json
 import os
 from typing import Iterator, Optional
 
+from bert_pretrain.components.table_files import (EXTENSIONS, TableFileError,
+                                                  is_json_lines, json_records, table_rows)
 from data_prep.config import TableCorpusConfig
 from data_prep.errors import PrepError
 
@@ -27,7 +25,6 @@ from data_prep.errors import PrepError
 GLUE_TEXT_COLUMNS = (("question1", "question2"), ("#1 String", "#2 String"),
                      ("sentence1", "sentence2"), ("premise", "hypothesis"),
                      ("question", "sentence"), ("sentence",))
-FORMATS = (".csv", ".tsv", ".jsonl", ".json")
 
 
 def table_files(paths: list[str], exclude: Optional[str] = None) -> list[str]:
@@ -46,27 +43,10 @@ def table_files(paths: list[str], exclude: Optional[str] = None) -> list[str]:
         else:
             files.extend(resolve_paths([pattern], exclude))
     for f in files:
-        if os.path.splitext(f)[1].lower() not in FORMATS:
+        if os.path.splitext(f)[1].lower() not in EXTENSIONS:
             raise PrepError(f"corpus.paths: {f}: unknown format; corpus=table reads .csv, .tsv "
                             f"and .jsonl files (text files: corpus=text)")
     return files
-
-
-def _tsv_line(line: str) -> str:
-    return "\t".join(field.strip("\r") for field in line.rstrip("\n").split("\t"))
-
-
-def _rows(path: str) -> Iterator[tuple[int, list]]:
-    """(line number, header or row) of a CSV / TSV file; the header comes first."""
-    ext = os.path.splitext(path)[1].lower()
-    with open(path, encoding="utf-8-sig", newline="\n" if ext == ".tsv" else "") as f:
-        if ext == ".tsv":
-            reader = csv.reader((_tsv_line(line) for line in f), delimiter="\t",
-                                quoting=csv.QUOTE_NONE)
-        else:
-            reader = csv.reader(f)
-        for row in reader:
-            yield reader.line_num, row
 
 
 def _columns(path: str, header: list, wanted: Optional[list]) -> list[int]:
@@ -85,7 +65,7 @@ def _columns(path: str, header: list, wanted: Optional[list]) -> list[int]:
 
 
 def _cells_of_table(path: str, wanted: Optional[list]) -> Iterator[list[str]]:
-    rows = _rows(path)
+    rows = table_rows(path)
     first = next(rows, None)
     if first is None:
         raise PrepError(f"{path} is empty: a table needs a header line naming its columns")
@@ -98,29 +78,18 @@ def _cells_of_table(path: str, wanted: Optional[list]) -> Iterator[list[str]]:
 def _cells_of_jsonl(path: str, wanted: Optional[list]) -> Iterator[list[str]]:
     if wanted is None:
         raise PrepError(f"{path}: name the fields that hold text: corpus.text_columns='[text]'")
-    with open(path, encoding="utf-8-sig") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise PrepError(f"{path} line {n} is not a JSON object ({exc}); write one "
-                                f"object per line") from None
-            if not isinstance(record, dict):
-                raise PrepError(f"{path} line {n} is not a JSON object")
-            missing = [c for c in wanted if c not in record]
-            if missing:
-                raise PrepError(f"{path} line {n} has no field {missing[0]!r} (it has "
-                                f"{sorted(record)}); fix corpus.text_columns")
-            yield ["" if record[c] is None else str(record[c]) for c in wanted]
+    for n, record in json_records(path):
+        missing = [c for c in wanted if c not in record]
+        if missing:
+            raise PrepError(f"{path} line {n} has no field {missing[0]!r} (it has "
+                            f"{sorted(record)}); fix corpus.text_columns")
+        yield ["" if record[c] is None else str(record[c]) for c in wanted]
 
 
 def read_table(cfg: TableCorpusConfig, exclude: Optional[str] = None):
     """(starts_document, sentence): a row's text cells, one document per row."""
     for path in table_files(cfg.paths, exclude):
-        ext = os.path.splitext(path)[1].lower()
-        cells = _cells_of_jsonl if ext in (".jsonl", ".json") else _cells_of_table
+        cells = _cells_of_jsonl if is_json_lines(path) else _cells_of_table
         try:
             for row in cells(path, cfg.text_columns):
                 new_doc = True
@@ -129,6 +98,5 @@ def read_table(cfg: TableCorpusConfig, exclude: Optional[str] = None):
                         if line.strip():
                             yield new_doc, line.strip()
                             new_doc = False
-        except UnicodeDecodeError as exc:
-            raise PrepError(f"{path}: not UTF-8 text ({exc.reason}): convert it to UTF-8") \
-                from None
+        except TableFileError as exc:   # not UTF-8, not JSON: the reader says which line
+            raise PrepError(str(exc)) from None

@@ -95,12 +95,13 @@ def test_fine_tuning_imports_no_trainer(graph):
         "bert_pretrain.trainer", "bert_pretrain.train"])
 
 
-def test_data_prep_uses_only_the_cli_helpers_progress_bars_lock_and_disk_test(graph):
+def test_data_prep_uses_only_the_cli_helpers_progress_bars_lock_disk_test_and_tables(graph):
     used = {n for m, targets in graph.items() if m.startswith("data_prep")
             for n in targets if n.startswith("bert_pretrain")}
     assert used <= {"bert_pretrain.cli_errors", "bert_pretrain.components.progress",
                     "bert_pretrain.components.folder_lock",
-                    "bert_pretrain.components.disk_space", "bert_pretrain.components"}, used
+                    "bert_pretrain.components.disk_space",
+                    "bert_pretrain.components.table_files", "bert_pretrain.components"}, used
 
 
 def test_cli_errors_knows_no_commands_schemas(graph):

@@ -7,8 +7,6 @@ empty file, no network for the hub) is one DataError line naming the file and wh
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from ..components.table_files import TableFileError, is_json_lines, json_records, table_rows
 from ..errors import DataError
 from .tasks import CUSTOM, GlueTask, TaskConfig
 
@@ -188,27 +187,17 @@ def _read_glue_tsv(path: str, task: GlueTask) -> Examples:
 
 
 def _tsv_rows(path: str):
-    # utf-8-sig: GLUE's MRPC files start with a byte order mark, which would otherwise be part
-    # of the first column's name ('\ufeffQuality').
-    # Rows end at '\n' only, and a '\r' at either end of a field is dropped: public copies of
-    # SST-2's train.tsv end every sentence with '\r' before the tab, where a universal-newline
-    # or csv reader ends the row, so the sentence became a short row (skipped) and the label a
-    # row of its own with an empty sentence (kept): training on empty text.
+    """The fields of each row, read as bert-prep reads them (components/table_files.py holds
+    why: MRPC's byte order mark, the '\\r's of public SST-2 copies)."""
     try:
-        with open(path, encoding="utf-8-sig", newline="\n") as f:
-            for line in f:
-                line = _tsv_line(line)
-                if line:
-                    yield line.split("\t")
+        for _, fields in table_rows(path):
+            yield fields
     except FileNotFoundError:
         raise DataError(f"{path} is missing; pass the task's complete folder") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except TableFileError as exc:
+        raise DataError(str(exc)) from None
+    except OSError as exc:
         raise DataError(f"cannot read {path} ({exc})") from None
-
-
-def _tsv_line(line: str) -> str:
-    """A TSV line without the '\r's at the ends of its fields (see _tsv_rows)."""
-    return "\t".join(field.strip("\r") for field in line.rstrip("\n").split("\t"))
 
 
 def _label(value, num_labels: int, names, path: str, line: int):
@@ -246,36 +235,20 @@ def _check_range(labels: np.ndarray, num_labels: int, where: str) -> None:
 
 
 def _records(path: str):
-    """(line number, dict) for each example of a .csv, .tsv or .jsonl/.json file."""
+    """(line number, dict) for each example of a .csv, .tsv or .jsonl/.json file; a table row's
+    column that the row is too short for is None (_read_table says which line)."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
-    ext = os.path.splitext(path)[1].lower()
-    try:  # (utf-8-sig: a spreadsheet's "CSV UTF-8" starts with a byte order mark)
-        # (TSV: rows end at '\n' only, for the reason in _tsv_rows)
-        with open(path, encoding="utf-8-sig", newline="\n" if ext == ".tsv" else "") as f:
-            if ext in (".jsonl", ".json"):
-                for n, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            record = json.loads(line)
-                        except ValueError as exc:
-                            raise DataError(f"{path} line {n} is not a JSON object ({exc}); "
-                                            f"write one object per line") from None
-                        if not isinstance(record, dict):
-                            raise DataError(f"{path} line {n} is not a JSON object")
-                        yield n, record
-            elif ext in (".csv", ".tsv"):
-                lines = (_tsv_line(line) for line in f) if ext == ".tsv" else f
-                reader = csv.DictReader(lines, delimiter="\t" if ext == ".tsv" else ",",
-                                        quoting=csv.QUOTE_NONE if ext == ".tsv"
-                                        else csv.QUOTE_MINIMAL)
-                for record in reader:
-                    yield reader.line_num, record
-            else:
-                raise DataError(f"{path}: unknown format {ext or '(no extension)'}; use .csv, "
-                                f".tsv or .jsonl")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"cannot read {path} as UTF-8 text ({exc})") from None
+    try:
+        if is_json_lines(path):
+            yield from json_records(path)
+            return
+        rows = table_rows(path)
+        header = next(rows, (0, []))[1]
+        for n, row in rows:
+            yield n, dict(zip(header, row + [None] * (len(header) - len(row))))
+    except TableFileError as exc:
+        raise DataError(str(exc)) from None
 
 
 def _read_table(path: str, cfg: TaskConfig) -> tuple:
@@ -286,7 +259,7 @@ def _read_table(path: str, cfg: TaskConfig) -> tuple:
         missing = [c for c in columns if c not in record]
         if missing:
             raise DataError(f"{path} has no column {missing[0]!r} (it has "
-                            f"{[k for k in record if k is not None]}); set task.text_columns / "
+                            f"{list(record)}); set task.text_columns / "
                             f"task.label_column")
         for column, values in zip(cfg.text_columns, texts):
             value = record[column]
