@@ -17,6 +17,7 @@ from finetune_support import (FAST, finetune_in_process, kill_fine_tune_at, pair
                               pretrained_run, sentence_task)
 from time_limits import hang_limit
 from train_support import REPO
+from unseeded_steps import without_reseed
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
 
@@ -112,6 +113,33 @@ def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch
     assert steps == list(range(1, 97))  # steps 21-25 of the cut run were logged once
     assert records[-1]["accuracy"] == whole["metrics"]["accuracy"]
     assert not os.path.exists(member / "checkpoints")  # finished: resume state removed
+
+
+def test_a_fine_tune_resume_restores_the_global_random_state(run, tasks, tmp_path, monkeypatch,
+                                                             one_thread):
+    """The test above passes even when a resume skips restoring the RNG state, because every
+    step re-seeds (unseeded_steps.py); here the steps after the resume draw their dropout masks
+    from the stream the step-10 checkpoint saved."""
+    from bert_pretrain.finetune.runner import FineTune
+
+    without_reseed(monkeypatch, FineTune)
+    common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1", "recipe.epochs=1",
+              "trainer.checkpoint_every=10"]
+    finetune_in_process([*common, f"out_dir={tmp_path / 'whole'}"])
+    real_step = kill_fine_tune_at(monkeypatch, 12)
+    with pytest.raises(RuntimeError, match="killed"):
+        finetune_in_process([*common, f"out_dir={tmp_path / 'cut'}"])
+    monkeypatch.setattr(FineTune, "train_step", real_step)
+    finetune_in_process([*common, f"out_dir={tmp_path / 'cut'}"])
+
+    def losses(out):
+        path = out / "lr0.001-seed1" / "metrics.jsonl"
+        return {r["step"]: r["loss"] for r in map(json.loads, path.open()) if "loss" in r}
+
+    whole, resumed = losses(tmp_path / "whole"), losses(tmp_path / "cut")
+    assert sorted(resumed) == sorted(whole) and len(whole) > 11
+    for step in whole:
+        assert whole[step] == resumed[step], f"step {step}: {whole[step]} != {resumed[step]}"
 
 
 def test_export_loads_in_transformers_with_the_same_logits(run, tasks, tmp_path, one_thread):

@@ -12,6 +12,7 @@ import pytest
 
 from time_limits import hang_deadline, hang_limit
 from train_support import (REPO, read_metrics, train_in_process, write_prepared)
+from unseeded_steps import without_reseed
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,27 @@ def test_resume_mid_epoch_with_accumulation_is_bit_exact(tmp_path, prepared, mas
     assert final_full == final_part
     # dropout is on in the smoke model, so equality is not trivial: steps differ from each other
     assert len({a[s][0] for s in a}) == len(a)
+
+
+def test_resume_restores_the_global_random_state(tmp_path, prepared, monkeypatch):
+    """Step 4's dropout masks, drawn from the stream the step-3 checkpoint saved: the test above
+    passes even when a resume skips restoring the RNG state, because every step re-seeds
+    (unseeded_steps.py)."""
+    from bert_pretrain.trainer import Trainer
+
+    without_reseed(monkeypatch, Trainer)
+    common = ["experiment=smoke", f"data.dir={prepared}", "trainer.max_steps=5",
+              "trainer.checkpoint_every=3", "trainer.eval_every=0"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    train_in_process(common + [f"run_dir={full}"])
+    os.makedirs(os.path.join(part, "checkpoints"))
+    shutil.copytree(os.path.join(full, "checkpoints", "step-00000003"),
+                    os.path.join(part, "checkpoints", "step-00000003"))
+    train_in_process(common + [f"run_dir={part}", "resume=auto"])
+    a, b = _losses(full), _losses(part)
+    assert sorted(b) == [4, 5]
+    for step in b:
+        assert a[step] == b[step], f"step {step}: {a[step]} != {b[step]}"
 
 
 def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path, prepared):
