@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from time_limits import hang_limit
-from train_support import REPO
+from train_support import CHILD_PYTHONPATH, REPO
 
 BIN = os.path.dirname(sys.executable)
 TRAIN_GROUPS = {"data", "experiment", "hparams_search", "impl", "logger", "model", "optim",
@@ -21,7 +21,7 @@ PREP_GROUPS = {"corpus"}
 
 
 def groups_in_help(command):
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH)
     r = subprocess.run([os.path.join(BIN, command), "--help"], capture_output=True, text=True,
                        cwd=REPO, env=env, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 
 from time_limits import hang_limit
-from train_support import REPO, write_prepared
+from train_support import CHILD_PYTHONPATH, REPO, write_prepared
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
 
 
 def _env(tmp_path, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+    env.update(HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH,
                TOKENIZERS_PARALLELISM="false", **extra)
     return env
 

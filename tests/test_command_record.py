@@ -14,7 +14,7 @@ import yaml
 
 from finetune_support import FAST, pretrained_run, sentence_task, write_glue_task
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import CHILD_PYTHONPATH, write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def run_commands(cwd, commands: list, with_paths: bool = False) -> list:
     """[(exit status, stderr)] of each [prog, *argv] run in `cwd`, in one child process (and
     what is under `cwd` after it, with_paths)."""
     spec = [(c[0], MODULES[c[0]], list(c[1:])) for c in commands]
-    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
     p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], cwd=str(cwd), env=env,
                        capture_output=True, text=True, timeout=hang_limit())
     results = [json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import CHILD_PYTHONPATH, write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+ENV = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 # bert-train whose safetensors writer meets a full disk at one checkpoint, as it says it then.
 FULL_AT_SAVE = textwrap.dedent("""

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 from bert_pretrain.components import checkpoint_manager as cm
 from time_limits import hang_limit
-from train_support import REPO, write_prepared
+from train_support import CHILD_PYTHONPATH, REPO, write_prepared
 
 MAX_STEPS, EVERY, EVAL_EVERY = 96, 2, 5
 COMMON = ["experiment=smoke", f"trainer.max_steps={MAX_STEPS}", f"trainer.checkpoint_every={EVERY}",
@@ -41,7 +41,7 @@ COMMON = ["experiment=smoke", f"trainer.max_steps={MAX_STEPS}", f"trainer.checkp
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO, "WANDB_MODE": "disabled",
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": CHILD_PYTHONPATH, "WANDB_MODE": "disabled",
             "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from finetune_support import (FAST, finetune_in_process, kill_fine_tune_at, pair_task,
                               pretrained_run, sentence_task)
 from time_limits import hang_limit
-from train_support import REPO
+from train_support import CHILD_PYTHONPATH, REPO
 from unseeded_steps import without_reseed
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
@@ -184,7 +184,7 @@ def test_regression_exports_as_regression(run, tmp_path, one_thread):
 
 def _launch(args: list, processes: int) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": REPO}
+           "PYTHONPATH": CHILD_PYTHONPATH}
     if processes == 1:
         cmd = [sys.executable, "-m", "bert_pretrain.finetune", *args]
     else:

@@ -19,7 +19,7 @@ from bert_pretrain.finetune.tasks import GLUE_TASKS, TaskConfig
 from finetune_support import (pair_examples, pretrained_run, sentence_examples,
                               sentence_task, write_csv, write_glue_task)
 from time_limits import hang_limit
-from train_support import REPO
+from train_support import CHILD_PYTHONPATH, REPO
 
 
 @pytest.mark.parametrize("task", sorted(GLUE_TASKS))
@@ -297,7 +297,7 @@ def test_bert_train_names_a_fine_tuning_setting(monkeypatch, capsys):
                                           ("bert_pretrain.finetune.glue", "Usage: bert-glue")])
 def test_help_lists_only_the_commands_own_groups(module, usage):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
-                       cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, timeout=hang_limit())
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": CHILD_PYTHONPATH}, timeout=hang_limit())
     assert r.returncode == 0, r.stderr[-2000:]
     block = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
     groups = {m.group(1) for m in re.finditer(r"^(\w+): ", block, re.M)}

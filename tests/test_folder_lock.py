@@ -11,10 +11,10 @@ import sys
 import textwrap
 
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import CHILD_PYTHONPATH, write_prepared
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+ENV = {**os.environ, "PYTHONPATH": CHILD_PYTHONPATH, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 # The first writer: the real command in a child, held (after it took its lock) until the test
 # writes a line to its stdin: the overlap is made, not waited for.

@@ -24,6 +24,7 @@ import pytest
 from data_prep import pipeline, shards
 from data_prep.errors import PrepError, PrepIOError
 from time_limits import hang_deadline, hang_limit
+from train_support import CHILD_PYTHONPATH
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BERT_PREP = os.path.join(os.path.dirname(sys.executable), "bert-prep")
@@ -138,7 +139,7 @@ main()
 
 def _driver(cwd, args, fault, at, enospc=False, worker_only=False):
     (cwd / "driver.py").write_text(_DRIVER)
-    env = dict(os.environ, FAULT=fault, FAULT_AT=str(at), PYTHONPATH=REPO)
+    env = dict(os.environ, FAULT=fault, FAULT_AT=str(at), PYTHONPATH=CHILD_PYTHONPATH)
     if enospc:
         env["FAULT_ENOSPC"] = "1"
     if worker_only:
@@ -232,7 +233,7 @@ def test_ctrl_c_is_one_line_exit_130_and_resumable(setup, tmp_path):
                       "sys.argv = ['bert-prep', *sys.argv[1:]]\nmain()\n")
     proc = subprocess.Popen([sys.executable, str(driver), *args, "num_proc=2"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, PYTHONPATH=REPO))
+                            start_new_session=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH))
     train = tmp_path / "out" / "train"
     deadline = hang_deadline()
     while not (train.is_dir() and any(n.startswith("shard-") for n in os.listdir(train))):

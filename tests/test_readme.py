@@ -51,7 +51,7 @@ import pytest
 
 from make_dry_run import make_commands
 from time_limits import hang_limit
-from train_support import REPO
+from train_support import CHILD_PYTHONPATH, REPO
 
 README = os.path.join(REPO, "README.md")
 DOCS = sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))
@@ -166,7 +166,7 @@ def with_tiny_overrides(body, extra):
 
 
 def environment():
-    return dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=REPO,
+    return dict(os.environ, PATH=BIN + os.pathsep + os.environ["PATH"], PYTHONPATH=CHILD_PYTHONPATH,
                 OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                 # a missing local directory must fail at once, not be looked up on the Hub
                 HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

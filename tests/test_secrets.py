@@ -11,7 +11,7 @@ import sys
 
 from bert_pretrain.components.redact import redact, secret_values
 from time_limits import hang_limit
-from train_support import REPO, write_prepared
+from train_support import CHILD_PYTHONPATH, REPO, write_prepared
 
 SECRETS = {
     "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567",  # wandb's 40-hex form
@@ -43,7 +43,7 @@ def test_no_secret_in_anything_a_run_writes(tmp_path):
     data = write_prepared(str(tmp_path / "data"), num_train=32, num_valid=8)
     run_dir, hydra_dir = tmp_path / "run", tmp_path / "hydra"
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(SECRETS, HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+    env.update(SECRETS, HOME=str(tmp_path / "home"), OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH,
                WANDB_SILENT="false")
     r = subprocess.run(
         [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",

@@ -14,6 +14,10 @@ from time_limits import hang_limit
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A child process's PYTHONPATH: this checkout first, then whatever the suite was given. Where the
+# dependencies themselves come through PYTHONPATH (the GPU machine installs the ones its image
+# lacks with `pip install --target /tmp/site`), a child given REPO alone cannot import Hydra.
+CHILD_PYTHONPATH = os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def write_prepared(root: str, num_train: int = 96, num_valid: int = 24, seq: int = 32,
