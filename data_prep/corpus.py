@@ -125,8 +125,7 @@ def open_binary(path: str) -> tuple[IO[bytes], Optional[str]]:
                 raise PrepError(f"{path} is zstd-compressed and the zstandard package is not "
                                 f"installed: decompress it (`zstd -d {path}`) or `pip install "
                                 "zstandard`") from None
-            stream = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(
-                f, closefd=True))
+            stream = io.BufferedReader(_ZstdFrames(f, zstandard))
         _refuse_archive(path, stream.peek(512)[:512], kind)
         return stream, kind
     except PrepError:
@@ -135,6 +134,48 @@ def open_binary(path: str) -> tuple[IO[bytes], Optional[str]]:
     except Exception as e:
         f.close()
         raise _corrupt(path, kind, e) from None
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The zstd frames of a file, one after another, decoded as they are read.
+
+    zstandard's own stream_reader ends quietly where a file is cut off inside a frame: it
+    returns what it decoded so far, so a truncated download would be read as a shorter corpus.
+    Here the end of the file inside a frame is an EOFError, as gzip, bz2 and xz report it."""
+
+    def __init__(self, f: IO[bytes], zstandard):
+        self._f, self._zstandard = f, zstandard
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False      # bytes of the current frame fed, its end not reached
+        self._out, self._at = b"", 0   # decoded bytes, and how many of them were read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._at == len(self._out):
+            self._out, self._at = b"", 0
+            data = self._f.read(1 << 16)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            while data:
+                self._in_frame = True
+                self._out += self._frame.decompress(data)
+                if not self._frame.eof:
+                    break
+                # a frame ended: what follows it is the next frame (zstd files may hold many)
+                data, self._in_frame = self._frame.unused_data, False
+                self._frame = self._zstandard.ZstdDecompressor().decompressobj()
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = memoryview(self._out)[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
 
 
 def _corrupt(path: str, kind: Optional[str], exc: BaseException) -> PrepError:

@@ -203,6 +203,29 @@ def test_compressed_files_are_read_by_their_magic_bytes(tmp_path, kind, name):
         ["One.", "Two."], ["Three.", "Four.", "BZh91AY&SY is text here."]]
 
 
+@pytest.mark.parametrize("kind", sorted(_compressors()))
+def test_a_compressed_file_cut_short_is_an_error_not_a_shorter_corpus(tmp_path, kind):
+    """A download cut off mid-file: every format must say so, never read the part that arrived
+    as if it were the whole corpus (zstandard's stream_reader returned it without a word)."""
+    lines = [f"Sentence {i} of a corpus that compresses to more than one block." for i in
+             range(20000)]
+    whole = _compressors()[kind](("\n".join(lines) + "\n").encode())
+    (tmp_path / "cut").write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(PrepError, match=rf"cut: corrupt or truncated {kind} data") as e:
+        _docs(TextCorpusConfig(paths=[str(tmp_path / "cut")]))
+    assert "\n" not in str(e.value)
+
+
+def test_a_zstd_file_of_several_frames_is_read_whole(tmp_path):
+    """`cat a.zst b.zst > c.zst` is a valid zstd file: every frame is read, in order."""
+    zstandard = pytest.importorskip("zstandard")
+    first, second = "One.\nTwo.\n\n", "Three.\nFour.\n"
+    (tmp_path / "c.zst").write_bytes(zstandard.ZstdCompressor().compress(first.encode()) +
+                                     zstandard.ZstdCompressor().compress(second.encode()))
+    assert _docs(TextCorpusConfig(paths=[str(tmp_path / "c.zst")])) == [["One.", "Two."],
+                                                                       ["Three.", "Four."]]
+
+
 def test_text_that_starts_like_a_magic_number_is_text(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("BZh9 is a bzip2 header.\n\nPK is a zip header.\n", encoding="utf-8")
