@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from time_limits import hang_limit
-from train_support import CHILD_PYTHONPATH, REPO, write_prepared
+from train_support import CHILD_PYTHONPATH, REPO, needs_wandb, write_prepared
 
 ACCELERATE_CONFIG = os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml")
 
@@ -27,6 +27,7 @@ def _env(tmp_path, **extra):
     return env
 
 
+@needs_wandb
 def test_wandb_online_without_login_is_one_line(tmp_path):
     import subprocess
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import needs_wandb, write_prepared
 
 REPO = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = REPO / "conf" / "accelerate"
@@ -99,6 +99,7 @@ def single(prepared, tmp_path_factory) -> Path:
 # --------------------------------------------------------------------------- launched runs
 
 
+@needs_wandb
 def test_accelerate_two_processes_equal_one_process_with_accumulation(prepared, single, tmp_path):
     run_dir = tmp_path / "run"
     r = train_accelerate(2, f"data.dir={prepared}", f"run_dir={run_dir}",

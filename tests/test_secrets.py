@@ -11,7 +11,7 @@ import sys
 
 from bert_pretrain.components.redact import redact, secret_values
 from time_limits import hang_limit
-from train_support import CHILD_PYTHONPATH, REPO, write_prepared
+from train_support import CHILD_PYTHONPATH, REPO, needs_wandb, write_prepared
 
 SECRETS = {
     "WANDB_API_KEY": "0123456789abcdef0123456789abcdef01234567",  # wandb's 40-hex form
@@ -39,6 +39,7 @@ def test_redact_replaces_secret_values_only():
         {"a": ["x <redacted:HF_TOKEN> y", 3], "/usr/bin": None}
 
 
+@needs_wandb
 def test_no_secret_in_anything_a_run_writes(tmp_path):
     data = write_prepared(str(tmp_path / "data"), num_train=32, num_valid=8)
     run_dir, hydra_dir = tmp_path / "run", tmp_path / "hydra"

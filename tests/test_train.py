@@ -13,7 +13,7 @@ import torch
 
 from bert_pretrain.errors import CheckpointError, ConfigError, DataError, TrainingError
 from time_limits import hang_limit
-from train_support import (REPO, read_metrics, run_bert_train, train_in_process,
+from train_support import (REPO, needs_wandb, read_metrics, run_bert_train, train_in_process,
                            write_prepared)
 
 EVAL_KEYS = {"eval_mlm_loss", "eval_mlm_accuracy", "eval_nsp_loss", "eval_nsp_accuracy"}
@@ -261,6 +261,7 @@ def test_init_from_a_run_dir_onto_data_of_the_other_kind(tmp_path, synthetic):
                           *frozen])
 
 
+@needs_wandb
 def test_wandb_offline_writes_a_run_directory(tmp_path, synthetic, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))
