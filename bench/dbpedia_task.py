@@ -48,8 +48,14 @@ def split(rows: list[tuple[str, str]], seed: int = 0) -> tuple[list, list]:
 
 
 def read_raw(path: str) -> list[tuple[str, str]]:
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = [tuple(r) for r in csv.reader(f) if r]
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            rows = [tuple(r) for r in csv.reader(f) if r]
+    except UnicodeDecodeError:
+        sys.exit(f"{path}: not UTF-8 text: convert it, e.g. "
+                 f"iconv -f latin1 -t utf-8")
+    except csv.Error as e:
+        sys.exit(f"{path}: not a CSV file ({e})")
     bad = next((n for n, r in enumerate(rows, 1)
                 if len(r) != 2 or not r[0].isdigit() or int(r[0]) >= len(CLASSES)), None)
     if bad is not None:

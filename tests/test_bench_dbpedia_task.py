@@ -74,3 +74,10 @@ def test_a_file_of_another_shape_is_one_line(tmp_path, row):
         csv.writer(f).writerows([["1", "fine"], row])
     with pytest.raises(SystemExit, match=r"raw.csv row 2: expected 'label,text'"):
         dbpedia_task.main(["--raw", str(tmp_path / "raw.csv"), "--out", str(tmp_path / "o")])
+
+
+def test_a_file_that_is_not_utf8_is_one_line_and_writes_nothing(tmp_path):
+    (tmp_path / "raw.csv").write_bytes('1,caf\u00e9 in Paris\n'.encode("latin-1"))
+    with pytest.raises(SystemExit, match=r"raw.csv: not UTF-8 text: convert it, e.g. iconv"):
+        dbpedia_task.main(["--raw", str(tmp_path / "raw.csv"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

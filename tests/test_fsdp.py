@@ -29,7 +29,7 @@ import pytest
 from test_distributed import (ACCELERATE_CONFIGS, COMMON, REPO, TOL, assert_same_trajectory,
                               free_port, records, run, train_1proc, train_records)
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import CHILD_PYTHONPATH_WITH_TESTS, write_prepared
 
 FSDP_LINE = "bert-train: sharding: FSDP2 over {n} process(es): 3 shard units (2 encoder layers"
 # 20 held-out samples in batches of 4 over 2 processes: rank 0 gets 3 batches, rank 1 gets 2;
@@ -412,8 +412,7 @@ def test_a_rank_killed_during_a_sharded_save_leaves_a_checkpoint_resume_finds(
     trains the losses of the run that was never killed."""
     run_dir = tmp_path / "run"
     env = {"OMP_NUM_THREADS": "1", "KILL_POINT": f"{point}:{rank}:6",
-           "KILL_RUN_DIR": str(run_dir), "PYTHONPATH": os.pathsep.join(
-               [str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "KILL_RUN_DIR": str(run_dir), "PYTHONPATH": CHILD_PYTHONPATH_WITH_TESTS}
     r = subprocess.run([*torchrun_args(2), str(REPO / "tests" / "kill_during_save.py"), *COMMON,
                         f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.sharding=fsdp",
                         "trainer.report=false"],
@@ -437,8 +436,7 @@ def test_a_full_disk_on_one_rank_fails_the_sharded_save_on_every_rank(prepared, 
     resume=auto continues from step 3 with the uninterrupted run's losses."""
     run_dir = tmp_path / "run"
     env = {"OMP_NUM_THREADS": "1", "KILL_POINT": "enospc:1:6", "KILL_RUN_DIR": str(run_dir),
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"),
-                                          os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": CHILD_PYTHONPATH_WITH_TESTS}
     r = subprocess.run([*torchrun_args(2), str(REPO / "tests" / "kill_during_save.py"), *COMMON,
                         f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.sharding=fsdp",
                         "trainer.report=false"],

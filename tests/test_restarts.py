@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from test_distributed import free_port
 from time_limits import hang_limit
-from train_support import write_prepared
+from train_support import CHILD_PYTHONPATH_WITH_TESTS, write_prepared
 
 pytestmark = pytest.mark.slow  # ~20-40 s a launch on a shared 2-core machine
 
@@ -57,8 +57,8 @@ def launch(launcher: list[str], run_dir: Path, data: str, fault: str | None = No
     if fault:
         env["BERT_TRAIN_FAULT"] = fault
     if kill_point:
-        env.update(KILL_POINT=kill_point, KILL_RUN_DIR=str(run_dir), PYTHONPATH=os.pathsep.join(
-            [str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]))
+        env.update(KILL_POINT=kill_point, KILL_RUN_DIR=str(run_dir),
+                   PYTHONPATH=CHILD_PYTHONPATH_WITH_TESTS)
         program = [str(REPO / "tests" / "kill_during_save.py")]
     cmd = [*launcher, *program, *RUN, f"data.dir={data}", f"run_dir={run_dir}", *overrides]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env,

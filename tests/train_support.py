@@ -20,6 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # dependencies themselves come through PYTHONPATH (the GPU machine installs the ones its image
 # lacks with `pip install --target /tmp/site`), a child given REPO alone cannot import Hydra.
 CHILD_PYTHONPATH = os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])
+# The same with tests/ too, for a child that runs a helper script of the suite (an empty entry,
+# as a trailing ':' of an unset PYTHONPATH gives, would put the working directory on sys.path).
+CHILD_PYTHONPATH_WITH_TESTS = os.pathsep.join(
+    [REPO, os.path.join(REPO, "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])
 # wandb is a dependency of every install of this project, but the GPU machine's image leaves it
 # out (../shared/gpu/README.md); there the tests of the wandb logger are skipped, not failed.
 needs_wandb = pytest.mark.skipif(importlib.util.find_spec("wandb") is None,
