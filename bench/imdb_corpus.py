@@ -29,6 +29,9 @@ import sys
 
 # A sentence ends at . ! or ? followed by space and a capital, a quote or a bracket: reviews are
 # written text with ordinary punctuation; "Mr. Smith" splits too, which only makes a shorter line.
+# bert-prep's own splitter (data_prep.corpus.split_sentences, blingfire) would do better, but this
+# rule is what the published table's corpus was built with, and this script must rebuild that
+# corpus byte for byte; packing joins the lines again, so only where an instance may break differs.
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 LINE_BREAK = re.compile(r"<br\s*/?>")
 WORDS = re.compile(r"[^a-z0-9]+")
