@@ -71,6 +71,7 @@ def _fail(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # first: an error file from rank 0 then means the
         print(line, file=sys.stderr, flush=True)  # line is on the screen
     _leave_error_file(line)
+    _leave_launched_group(2)
     sys.exit(2)
 
 
@@ -130,13 +131,16 @@ def main() -> None:
     _leave_launched_group()
 
 
-def _leave_launched_group() -> None:
-    """A worker of a launched group (torchrun, accelerate launch) that finished its run leaves
-    without the interpreter's teardown.  Its process group was destroyed (end_training), but
-    the DDP wrapper still holds gloo's worker threads, and their destruction during teardown
-    aborted one rank in roughly one of ten 2-process CPU runs ('terminate called without an
-    active exception', exit -6 after the run had finished and saved; torch 2.13), which the
-    launcher reports as a failed job.  Everything is written, synced and flushed by now."""
+def _leave_launched_group(status: int = 0) -> None:
+    """A worker of a launched group (torchrun, accelerate launch) leaves without the
+    interpreter's teardown, with `status`: after its run finished (0), and after a user error
+    found once its process group was up (2: a missing resume checkpoint, a busy run folder).
+    gloo's worker threads (held by the DDP wrapper, or by a group never destroyed because
+    set-up stopped) aborted one rank during teardown in roughly one of ten 2-process CPU runs
+    that finished, and in 2 of 60 that stopped at a user error ('terminate called without an
+    active exception', exit -6; torch 2.13), which the launcher reports as a crash, not as the
+    user's mistake.  Everything is written, synced and flushed by now (the error line, the
+    error file, the run folder's clean-up)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     import logging
@@ -144,7 +148,7 @@ def _leave_launched_group() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,33 @@ def test_plain_accelerate_launch_prints_the_error_once_and_fails(tmp_path):
     assert f"traceback : bert-train: error: {BAD}" in r.stderr
 
 
+_FAIL_IN_CHILD = """
+import atexit, sys
+atexit.register(lambda: print("interpreter teardown ran", flush=True))
+from bert_pretrain.train import _fail
+_fail("resume=/x: no such checkpoint directory")
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_user_error_under_a_launcher_leaves_without_interpreter_teardown(tmp_path, launched):
+    """A rank that stops at a user error once its gloo group is up skips the teardown in which
+    gloo's threads aborted it now and then (SIGABRT: the launcher reported a crash, exit 1,
+    instead of the user's mistake, exit 2), yet leaves its error file and exit status 2."""
+    import subprocess
+
+    env = _env(tmp_path, RANK="1", TORCHELASTIC_ERROR_FILE=str(tmp_path / "error.json"))
+    if launched:
+        env.update(WORLD_SIZE="2", TORCHELASTIC_RUN_ID="test")
+    r = subprocess.run([sys.executable, "-c", _FAIL_IN_CHILD], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == ""  # rank 1: the main process prints the line
+    assert json.loads((tmp_path / "error.json").read_text())["message"] == (
+        "bert-train: error: resume=/x: no such checkpoint directory")
+    assert ("interpreter teardown ran" in r.stdout) is (not launched)
+
+
 def _failure(tmp_path, rank, exitcode, message=None):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
