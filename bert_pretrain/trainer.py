@@ -142,6 +142,11 @@ class Trainer:
             raise ConfigError(f"objective={objective} needs next-sentence prediction, which this "
                               f"MLM-only model does not do; use objective=eval_mlm_loss or "
                               f"eval_mlm_accuracy")
+        if self.model_cfg.generator_layers and self.sharded:
+            # FSDP2 wraps the encoder's layers; a generator would sit unwrapped in the root
+            # unit, a layout no test has run.
+            raise ConfigError("model.generator_layers > 0 (ELECTRA) is not supported with FSDP "
+                              "(trainer.sharding resolved to fsdp); use trainer.sharding=ddp")
 
     def _setup_run(self) -> None:
         from .components.checkpoint_manager import CheckpointManager
@@ -366,7 +371,8 @@ class Trainer:
         if self.world > 1:
             counts = acc.reduce(counts, reduction="sum")
         num_mlm, num_nsp = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
-        sums = torch.zeros(3, dtype=torch.float64, device=acc.device)  # mlm, nsp, stop flag
+        num_real = max(counts[2].item(), 1.0)
+        sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # mlm, nsp, stop, rtd
         for j, batch in enumerate(batches):
             # (len(batches): this step's accumulation, the same on every process)
             torch.manual_seed(dropout_seed(self.s.seed, self.step, self.rank * len(batches) + j))
@@ -382,26 +388,32 @@ class Trainer:
                 loss = out.mlm_loss * (self.world / num_mlm)
                 if out.nsp_loss is not None:
                     loss = loss + out.nsp_loss * (tc.nsp_loss_weight * self.world / num_nsp)
+                if out.rtd_loss is not None:
+                    loss = loss + out.rtd_loss * (tc.rtd_loss_weight * self.world / num_real)
                 acc.backward(precision.scale(loss))
             if j == 0:
                 fault_point.reached("step", self.step + 1, self.rank)
             sums[0] += out.mlm_loss.detach().double()
             if out.nsp_loss is not None:
                 sums[1] += out.nsp_loss.detach().double()
+            if out.rtd_loss is not None:
+                sums[3] += out.rtd_loss.detach().double()
         sums[2] = float(self.stop is not None and self.stop.requested)
         if self.world > 1:
             sums = acc.reduce(sums, reduction="sum")
-        mlm, nsp = sums[0].item() / num_mlm, sums[1].item() / num_nsp
+        mlm, nsp, rtd = (sums[0].item() / num_mlm, sums[1].item() / num_nsp,
+                         sums[3].item() / num_real)
         precision.unscale(self.optimizer)
         grad_norm = self._grad_norm()
         updated = precision.step(self.optimizer,
-                                 finite=math.isfinite(mlm + nsp) and math.isfinite(grad_norm))
+                                 finite=math.isfinite(mlm + nsp + rtd) and
+                                 math.isfinite(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         num_tokens = int(counts[2].item())
         self.tokens_seen += num_tokens
         self._advance_clock()
-        result = StepResult(mlm + nsp, mlm, nsp if nsp_on else None, num_tokens, grad_norm,
+        result = StepResult(mlm + nsp + rtd, mlm, nsp if nsp_on else None, num_tokens, grad_norm,
                             updated, sums[2].item() > 0, time.perf_counter() - started)
         self._count_nonfinite(result)
         return result

@@ -554,7 +554,10 @@ def read_train_state(path: str, verify: bool = True) -> dict:
 
 # The parts a model has only with next-sentence prediction: continued pretraining
 # (trainer.init_from) on data of the other kind drops them, or starts them fresh.
-NSP_PARTS = ("bert.pooler.", "cls.seq_relationship.")
+# An ELECTRA run's generator and detection head likewise: continuing an MLM model with a
+# generator starts them fresh; continuing an ELECTRA run as a plain MLM drops them.
+INIT_OPTIONAL_PARTS = ("bert.pooler.", "cls.seq_relationship.", "generator.",
+                       "discriminator_predictions.")
 
 
 def check_compatible(path: str, state: dict, model_config: dict,
@@ -615,13 +618,13 @@ def load_weights(path: str, model: torch.nn.Module, nsp_may_differ: bool = False
 
         state = load_file(file)
         own = model.state_dict()
-        extra = [k for k in state if k not in own and not k.startswith(NSP_PARTS)]
+        extra = [k for k in state if k not in own and not k.startswith(INIT_OPTIONAL_PARTS)]
         if extra:
             raise ValueError(f"unexpected weight {extra[0]}")
         result = model.load_state_dict({k: v for k, v in state.items() if k in own},
                                        strict=False)
         # tied weights are saved once (save_model): the other name is filled through the tie
-        unfilled = [k for k in result.missing_keys if not k.startswith(NSP_PARTS)
+        unfilled = [k for k in result.missing_keys if not k.startswith(INIT_OPTIONAL_PARTS)
                     and not _tied(model, k, state)]
         if unfilled:
             raise ValueError(f"missing weight {unfilled[0]}")

@@ -15,9 +15,23 @@ def model_inputs(batch: dict, device, next_sentence_prediction: bool = True) -> 
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in skip}
 
 
-@torch.no_grad()
 def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None,
              lockstep=None) -> dict:
+    """`_evaluate`'s result. A model with an ELECTRA generator samples the replacements it
+    scores: from a fixed seed, on a forked generator, so that the result is a function of the
+    weights and the data alone (a resumed run evaluates as the uninterrupted one) and the
+    training's random stream is left as it was."""
+    if getattr(model, "generator", None) is None:
+        return _evaluate(model, accelerator, batches, progress, mask_id, autocast, lockstep)
+    cuda = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.manual_seed(0)
+        return _evaluate(model, accelerator, batches, progress, mask_id, autocast, lockstep)
+
+
+@torch.no_grad()
+def _evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None,
+              lockstep=None) -> dict:
     """Token-weighted MLM loss/accuracy and NSP loss/accuracy over the held-out batches.
 
     Sums are reduced over processes, so the result is the same for any number of processes.
@@ -32,10 +46,12 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
     `lockstep`: (forward passes, a filler batch) for a sharded model, whose every forward is a
     collective: a process that ran out of batches runs the filler until it has made as many
     passes as the others, and drops those results (sharding.eval_forward_passes).
+    With an ELECTRA generator also `eval_rtd_loss` and `eval_rtd_accuracy`: the encoder's
+    replaced-token detection over every real token (`eval_mlm_*` are then the generator's).
     """
     was_training = model.training
     model.eval()
-    sums = torch.zeros(12, dtype=torch.float64, device=accelerator.device)
+    sums = torch.zeros(15, dtype=torch.float64, device=accelerator.device)
     # An MLM-only model (no NSP head) is scored on the masked tokens of any data; its result
     # has no eval_nsp_* keys, nor has any model's on MLM-only data (no NSP labels).
     nsp = getattr(getattr(model, "config", None), "next_sentence_prediction", True)
@@ -62,6 +78,13 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
         if "next_sentence_label" in inputs:
             sums[[3, 4, 5, 8, 9, 10, 11]] += _nsp_sums(out.seq_relationship_logits,
                                                        inputs["next_sentence_label"])
+        if out.rtd_loss is not None:  # an ELECTRA generator: replaced-token detection
+            guess = out.rtd_logits > 0
+            sums[12:15] += torch.stack([
+                F.binary_cross_entropy_with_logits(out.rtd_logits.float(), out.rtd_labels,
+                                                   reduction="sum").double(),
+                (guess == out.rtd_labels.bool()).sum().double(),
+                guess.new_tensor(guess.numel(), dtype=torch.float64)])
         if progress is not None:
             progress.update(1)
     if lockstep is not None:
@@ -80,6 +103,9 @@ def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=
             "eval_nsp_accuracy": sums[4].item() / nsp_n,
             "eval_nsp_accuracy_balanced": 0.5 * (sums[8].item() / max(sums[9].item(), 1.0) +
                                                  sums[10].item() / max(sums[11].item(), 1.0))})
+    if sums[14].item() > 0:
+        result.update({"eval_rtd_loss": sums[12].item() / sums[14].item(),
+                       "eval_rtd_accuracy": sums[13].item() / sums[14].item()})
     if mask_id is not None:
         result["eval_mlm_accuracy_masked"] = sums[6].item() / max(sums[7].item(), 1.0)
     return result

@@ -23,7 +23,7 @@ RESULT_KEYS = (
     "optim.", "scheduler.", "data.dir", "data.masking", "data.masked_lm_prob",
     "data.train_split", "trainer.max_steps", "trainer.warmup_steps", "trainer.warmup_ratio",
     "trainer.budget_hours", "trainer.global_batch_size", "trainer.max_grad_norm",
-    "trainer.nsp_loss_weight", "trainer.attention_locality",
+    "trainer.nsp_loss_weight", "trainer.rtd_loss_weight", "trainer.attention_locality",
     "trainer.mixed_precision", "model.", "data.batch_warmup_",
 )
 SPEED_ONLY = ("optim.fused",)

@@ -105,6 +105,10 @@ def start_lines(t) -> list:
                      + (": the data has no sentence pairs)" if not t.data.has_nsp else
                         ", model.next_sentence_prediction=false: the data's NSP labels are "
                         "not used)"))
+    if cfg.generator_layers:
+        lines.append(f"bert-train: ELECTRA replaced-token detection: a {cfg.generator_layers}-"
+                     f"layer generator fills the masked positions, the encoder scores every "
+                     f"token (x trainer.rtd_loss_weight={tc.rtd_loss_weight:g})")
     if not t.can_evaluate:
         lines.append(f"bert-train: the held-out split {t.s.data.eval_split!r} of {t.s.data.dir} "
                      f"is empty (bert-prep validation_fraction=0): training without evaluation")
@@ -119,10 +123,13 @@ def already_finished_line(t) -> str:
 
 
 def _nsp_part(result: dict, chance: bool = False) -> str:
+    rtd = ""
+    if "eval_rtd_accuracy" in result:  # ELECTRA: the encoder's own task (the MLM: generator's)
+        rtd = f", replaced-token detection accuracy {result['eval_rtd_accuracy']:.4f}"
     if "eval_nsp_accuracy" not in result:  # MLM-only
-        return ""
-    return f", NSP accuracy {result['eval_nsp_accuracy']:.4f}" + (" (chance: 0.5)" if chance
-                                                                   else "")
+        return rtd
+    return rtd + f", NSP accuracy {result['eval_nsp_accuracy']:.4f}" + (
+        " (chance: 0.5)" if chance else "")
 
 
 def eval_line(step: int, result: dict) -> str:

@@ -37,6 +37,11 @@ class TrainerConfig:
     nsp_loss_weight: float = 1.0
     """The step's gradient is that of mlm_loss + nsp_loss_weight x nsp_loss (BERT: 1). The
     logged `loss` stays mlm_loss + nsp_loss, so runs with different weights compare."""
+    rtd_loss_weight: float = 50.0
+    """With an ELECTRA generator (`model.generator_layers > 0`): the gradient adds
+    rtd_loss_weight x the replaced-token-detection loss (mean over the batch's real tokens;
+    ELECTRA: 50, as the binary loss is far smaller than the MLM's). The logged `loss` adds it
+    unweighted."""
     attention_locality: float = 0.0
     """A training-time start for attention (0 = off: BERT all along). Head h of every layer
     adds -attention_locality * 2^-h * |i - j| to its scores (ALiBi's form; not for the [CLS]
@@ -113,6 +118,8 @@ class TrainerConfig:
             raise ValueError("trainer.max_grad_norm must be > 0 or null")
         if not self.nsp_loss_weight >= 0:
             raise ValueError(f"trainer.nsp_loss_weight must be >= 0, got {self.nsp_loss_weight}")
+        if not self.rtd_loss_weight >= 0:
+            raise ValueError(f"trainer.rtd_loss_weight must be >= 0, got {self.rtd_loss_weight}")
         if not self.attention_locality >= 0:
             raise ValueError(f"trainer.attention_locality must be >= 0 (0 = off), got "
                              f"{self.attention_locality}")

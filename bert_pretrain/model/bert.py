@@ -3,6 +3,7 @@ their losses), state-dict compatible with transformers' classes of the same name
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from .config import BertConfig, ModelImpl
 from .encoder import BertEmbeddings, BertEncoder, BertPooler, add_unused_position_table
-from .heads import BertLMPredictionHead, BertPreTrainingHeads
+from .heads import BertLMPredictionHead, BertPreTrainingHeads, ReplacedTokenHead
 from .layout import QuerySubset, TokenLayout
 
 IGNORE_INDEX = -100
@@ -20,7 +21,8 @@ IGNORE_INDEX = -100
 @dataclass
 class PreTrainingOutput:
     loss: torch.Tensor | None = None
-    """mlm_loss + nsp_loss (those that were given labels); None without labels."""
+    """mlm_loss + nsp_loss (those that were given labels; + rtd_loss, unweighted, with a
+    generator); None without labels."""
     mlm_loss: torch.Tensor | None = None
     """Cross-entropy over the labelled positions (labels != -100): their mean, or their sum
     with `loss_reduction="sum"`."""
@@ -38,6 +40,13 @@ class PreTrainingOutput:
     """Embedding output + each layer's output, [B, L, H] each (zeros at padding if unpadded)."""
     attentions: tuple[torch.Tensor, ...] | None = None
     """Per layer [B, heads, L, L] attention probabilities."""
+    rtd_loss: torch.Tensor | None = None
+    """Replaced-token detection (`generator_layers > 0`, with labels): binary cross-entropy of
+    the encoder's per-token logits over the real tokens, mean or sum as `loss_reduction`."""
+    rtd_logits: torch.Tensor | None = None
+    """[N] the encoder's "replaced" logits at the real tokens, in row-major order."""
+    rtd_labels: torch.Tensor | None = None
+    """[N] 1.0 where the generator's sample differs from the original token, else 0.0."""
 
 
 def init_bert_weights(module: nn.Module, std: float) -> None:
@@ -117,6 +126,15 @@ class BertForPreTraining(nn.Module):
         self.impl = impl or ModelImpl()
         self.bert = BertModel(config, self.impl)
         self.cls = BertPreTrainingHeads(config, self.bert.embeddings.word_embeddings)
+        self.generator = self.discriminator_predictions = None
+        if config.generator_layers:
+            # ELECTRA with tied embeddings: the generator reads the same embedding layer and owns
+            # the MLM head (tied to the word embeddings); it is narrower than the encoder by
+            # depth rather than width, so that the whole embedding layer can be shared.
+            self.generator = BertEncoder(
+                dataclasses.replace(config, num_hidden_layers=config.generator_layers),
+                self.impl)
+            self.discriminator_predictions = ReplacedTokenHead(config)
         for module in self.modules():
             # The decoder's weight is the word-embedding matrix, initialised (with its zero
             # padding row) as an embedding; initialising it again as a Linear would undo that.
@@ -138,7 +156,11 @@ class BertForPreTraining(nn.Module):
                 raise ValueError(f"attention locality needs one slope per head "
                                  f"({self.config.num_attention_heads}), got {len(slopes)}")
             tensor = torch.tensor([float(x) for x in slopes], dtype=torch.float32)
-        for layer in self.bert.encoder.layer:
+        layers = list(self.bert.encoder.layer)
+        if self.generator is not None:
+            # the generator learns the masked-LM from scratch too: the same stall, the same aid
+            layers += list(self.generator.layer)
+        for layer in layers:
             layer.attention.self.locality_slopes = tensor
 
     def hf_state_dict(self) -> dict:
@@ -159,6 +181,10 @@ class BertForPreTraining(nn.Module):
         model refuses one."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
+        if self.generator is not None:
+            return self._replaced_token_forward(input_ids, attention_mask, token_type_ids, labels,
+                                                next_sentence_label, output_attentions,
+                                                output_hidden_states, loss_reduction)
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
         if sparse and self.impl.resolved_sparse_last_layer(input_ids.device.type):
@@ -179,14 +205,9 @@ class BertForPreTraining(nn.Module):
             logits = heads.predictions(seq.reshape(-1, seq.shape[-1]).index_select(0, rows))
         else:
             logits = heads.predictions(layout.to_grid(seq))
-        nsp_logits = None
-        if heads.seq_relationship is not None:
-            nsp_logits = heads.seq_relationship(enc.pooled_output)
-        elif next_sentence_label is not None:
-            raise ValueError("this model has no NSP head (model.next_sentence_prediction=false): "
-                             "pass no next_sentence_label")
+        nsp_logits, nsp_loss = self._nsp(enc, next_sentence_label, loss_reduction)
 
-        mlm_loss = nsp_loss = loss = None
+        mlm_loss = loss = None
         if labels is not None:
             if sparse:
                 mlm_loss = F.cross_entropy(logits.float(), mlm_labels, reduction=loss_reduction)
@@ -201,9 +222,71 @@ class BertForPreTraining(nn.Module):
                     logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float(),
                     flat_labels.index_select(0, rows), reduction=loss_reduction)
             loss = mlm_loss
-        if next_sentence_label is not None:
-            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_label.reshape(-1),
-                                       reduction=loss_reduction)
+        if nsp_loss is not None:
             loss = nsp_loss if loss is None else loss + nsp_loss
         return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
                                  enc.hidden_states, enc.attentions)
+
+    def _nsp(self, enc: EncoderOutput, next_sentence_label, loss_reduction):
+        """(NSP logits or None, NSP loss or None)."""
+        if self.cls.seq_relationship is None:
+            if next_sentence_label is not None:
+                raise ValueError("this model has no NSP head (model.next_sentence_prediction="
+                                 "false): pass no next_sentence_label")
+            return None, None
+        logits = self.cls.seq_relationship(enc.pooled_output)
+        loss = None
+        if next_sentence_label is not None:
+            loss = F.cross_entropy(logits.float(), next_sentence_label.reshape(-1),
+                                   reduction=loss_reduction)
+        return logits, loss
+
+    def _replaced_token_forward(self, input_ids, attention_mask, token_type_ids, labels,
+                                next_sentence_label, output_attentions, output_hidden_states,
+                                loss_reduction) -> PreTrainingOutput:
+        """ELECTRA: the generator predicts the masked tokens (MLM loss, its `prediction_logits`
+        sparse over the labelled rows as `impl.sparse_prediction`'s); a token sampled from each
+        prediction replaces the input there; the encoder reads the result and scores every real
+        token "replaced or not" (a sample equal to the original counts as not replaced). No
+        gradient flows through the sampling: the generator learns from its MLM loss alone, the
+        encoder from the detection loss alone, the shared embeddings from both. The sampling
+        draws from torch's global generator (the trainer seeds it per micro-batch). Without
+        labels (fill-mask): the generator's dense logits, and the encoder on the input as it
+        is."""
+        b, n = input_ids.shape
+        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad)
+        gen, _, _ = self.generator(self.bert.embeddings(input_ids, token_type_ids, layout), layout)
+        if labels is None:
+            enc = self.bert(input_ids, attention_mask, token_type_ids, output_attentions,
+                            output_hidden_states)
+            nsp_logits, _ = self._nsp(enc, next_sentence_label, loss_reduction)
+            return PreTrainingOutput(prediction_logits=self.cls.predictions(layout.to_grid(gen)),
+                                     seq_relationship_logits=nsp_logits,
+                                     hidden_states=enc.hidden_states, attentions=enc.attentions)
+        flat_labels = layout.select(labels)
+        rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+        mlm_labels = flat_labels.index_select(0, rows)
+        logits = self.cls.predictions(gen.reshape(-1, gen.shape[-1]).index_select(0, rows))
+        mlm_loss = F.cross_entropy(logits.float(), mlm_labels, reduction=loss_reduction)
+        with torch.no_grad():
+            # Gumbel-max: argmax(logits + Gumbel noise) is a draw from softmax(logits).
+            noise = torch.rand(logits.shape, device=logits.device).clamp_(1e-9, 1.0)
+            sampled = (logits.float() - torch.log(-torch.log(noise))).argmax(-1)
+            labelled = labels != IGNORE_INDEX
+            # (masked_scatter fills in row-major order: the order of `rows`)
+            corrupted = input_ids.masked_scatter(labelled, sampled.to(input_ids.dtype))
+            replaced = corrupted != torch.where(labelled, labels, input_ids)
+        enc = self.bert(corrupted, attention_mask, token_type_ids, output_attentions,
+                        output_hidden_states)
+        rtd_logits = self.discriminator_predictions(enc.sequence_output).reshape(-1)
+        rtd_labels = enc.layout.select(replaced).float()
+        if not enc.layout.unpadded and attention_mask is not None:
+            real = attention_mask.reshape(-1).bool()
+            rtd_logits, rtd_labels = rtd_logits[real], rtd_labels[real]
+        rtd_loss = F.binary_cross_entropy_with_logits(rtd_logits.float(), rtd_labels,
+                                                      reduction=loss_reduction)
+        nsp_logits, nsp_loss = self._nsp(enc, next_sentence_label, loss_reduction)
+        loss = mlm_loss + rtd_loss + (0 if nsp_loss is None else nsp_loss)
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, logits, mlm_labels, nsp_logits,
+                                 enc.hidden_states, enc.attentions, rtd_loss, rtd_logits,
+                                 rtd_labels)

@@ -71,6 +71,13 @@ class BertConfig:
     not reach, which DDP requires), and the state dict is exactly transformers'
     BertForMaskedLM's. The trainer takes it from the prepared data when the preset leaves it
     out (MLM-only data: false)."""
+    generator_layers: int = 0
+    """0: masked-LM pretraining (BERT). N > 0: ELECTRA's replaced-token detection (Clark et al.
+    2020): a generator of N layers, sharing the embeddings and owning the MLM head, fills the
+    masked positions with tokens sampled from its predictions, and the encoder learns, at every
+    token, whether it was replaced, so it learns from every token instead of ~15%. The encoder
+    (`bert.*`) is what fine-tuning and `bert-export --head encoder` take; the MLM head belongs to
+    the generator (fill-mask runs the generator). Not a transformers BertConfig field."""
 
     def __post_init__(self) -> None:
         _check(
@@ -120,6 +127,12 @@ class BertConfig:
             f"model.pad_token_id ({self.pad_token_id!r}) must be a token id in "
             f"[0, vocab_size={self.vocab_size})",
         )
+        _check(
+            isinstance(self.generator_layers, int) and not isinstance(self.generator_layers, bool)
+            and self.generator_layers >= 0,
+            f"model.generator_layers must be an integer >= 0 (0 = masked-LM, N = an ELECTRA "
+            f"generator of N layers), got {self.generator_layers!r}",
+        )
         for name in ("pre_layer_norm", "next_sentence_prediction"):
             _check(isinstance(getattr(self, name), bool),
                    f"model.{name} must be true or false, got {getattr(self, name)!r}")
@@ -149,8 +162,10 @@ class BertConfig:
             "model.pre_layer_norm=true has no transformers BertConfig equivalent; only post-LN "
             "models can be exported to Hugging Face",
         )
+        # The generator is a pretraining device: what transformers gets is the encoder.
+        values = {k: v for k, v in self.to_dict().items() if k != "generator_layers"}
         return {
-            **self.to_dict(),
+            **values,
             "architectures": ["BertForPreTraining" if self.next_sentence_prediction
                               else "BertForMaskedLM"],
             "model_type": "bert",

@@ -45,3 +45,17 @@ class BertPreTrainingHeads(nn.Module):
         # MLM-only models have no NSP head (transformers' BertForMaskedLM has none either).
         self.seq_relationship = (nn.Linear(config.hidden_size, 2)
                                  if config.next_sentence_prediction else None)
+
+
+class ReplacedTokenHead(nn.Module):
+    """ELECTRA's discriminator head: one logit per token, "this token was replaced" (names as
+    transformers' ElectraDiscriminatorPredictions: `dense`, `dense_prediction`)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = activation(config.hidden_act)
+        self.dense_prediction = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_prediction(self.act(self.dense(x))).squeeze(-1)

@@ -71,7 +71,9 @@ def describe(impl: ModelImpl, config: BertConfig | None, device_type: str, *,
     if relative and varlen == "nested":
         runs += (f" ({config.position_embedding_type} positions are a score bias, which "
                  f"nested tensors do not take)")
-    sparse_last = impl.resolved_sparse_last_layer(device_type)
+    # (an ELECTRA encoder scores every token: no layer of it computes only the labelled rows)
+    sparse_last = impl.resolved_sparse_last_layer(device_type) and not (
+        config is not None and config.generator_layers)
     if plain.grid == "groups" and impl.sparse_prediction and sparse_last:
         runs += " (the last layer's labelled rows: padded grid)"
     if locality is not None:

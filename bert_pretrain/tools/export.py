@@ -86,6 +86,10 @@ def export(source: str, out_dir: str, head: str = "pretraining") -> str:
     state = ckpt.read_train_state(checkpoint_dir)  # (verified by resolve_checkpoint: cached)
     config = checkpoint_config(checkpoint_dir)
     representable(config)
+    if config.generator_layers and head != "encoder":
+        raise UserError(f"{checkpoint_dir} was pretrained with an ELECTRA generator "
+                        f"(model.generator_layers={config.generator_layers}): its MLM head is "
+                        f"the generator's and does not fit the encoder; export --head encoder")
     architecture, left_out = HEADS[head]
     hf_config = {**config.to_hf_dict(), "architectures": [architecture]}
     model = BertForPreTraining(config)
