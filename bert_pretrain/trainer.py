@@ -548,8 +548,24 @@ class Trainer:
             from .components.runlog import eval_line
 
             self.log.info(eval_line(self.step, result))
+        self._warn_if_stalled(result)
         self.last_eval = (self.step, result)
         return result
+
+    def _warn_if_stalled(self, result: dict) -> None:
+        """Once per run: a warning when the held-out MLM accuracy is still at the level of
+        always predicting the most frequent token after runlog.STALL_WARNING_STEP steps (a
+        run at too high a rate stays there for good; it logged nothing out of the ordinary)."""
+        from .components.runlog import STALL_WARNING_STEP, stall_warning
+
+        if getattr(self, "stall_warned", False) or self.step < STALL_WARNING_STEP:
+            return
+        if not hasattr(self, "unigram_baseline"):
+            self.unigram_baseline = majority_baseline(self.data, self.s.data.eval_split)
+        line = stall_warning(self.step, result, self.unigram_baseline)
+        if line:
+            self.log.warning(line)
+            self.stall_warned = True
 
     # ------------------------------------------------------------------ saving
     def save(self) -> str:

@@ -325,3 +325,33 @@ def test_eval_metrics_dense_and_sparse_heads_agree_with_a_direct_computation(syn
         0.5 * sum(right / seen for right, seen in per_class.values()))
     assert 0.6 * count < masked_count < 0.95 * count  # ~80% of the predicted positions
     assert a["eval_mlm_accuracy_masked"] == pytest.approx(masked_correct / masked_count)
+
+
+def test_stall_warning_names_a_run_still_at_the_unigram_level():
+    from bert_pretrain.components.runlog import STALL_WARNING_STEP, stall_warning
+
+    stuck = {"eval_mlm_accuracy": 0.043}
+    assert stall_warning(STALL_WARNING_STEP - 1, stuck, 0.045) is None   # too early to say
+    line = stall_warning(STALL_WARNING_STEP, stuck, 0.045)
+    assert line.startswith(f"bert-train: warning: step {STALL_WARNING_STEP}: held-out MLM "
+                           f"accuracy 0.0430 is no better than always predicting the most "
+                           f"frequent token (0.0450)")
+    assert "lower optim.lr" in line and "\n" not in line
+    assert stall_warning(STALL_WARNING_STEP, {"eval_mlm_accuracy": 0.09}, 0.045) is None
+
+
+def test_a_run_that_learns_nothing_is_warned_once(tmp_path, synthetic, monkeypatch, capsys):
+    """Wired into bert-train's evaluations: at a learning rate of almost nothing the model never
+    leaves chance; the warning comes once, at the first evaluation from the threshold on, and
+    goes to the run's log too."""
+    from bert_pretrain.components import runlog
+
+    monkeypatch.setattr(runlog, "STALL_WARNING_STEP", 4)
+    run = tmp_path / "run"
+    train_in_process(["experiment=smoke", f"data.dir={synthetic}", f"run_dir={run}",
+                      "optim.lr=1e-9", "trainer.max_steps=8", "trainer.eval_every=2",
+                      "trainer.warmup_steps=1"])
+    warned = [line for line in capsys.readouterr().err.splitlines()
+              if "no better than always" in line]
+    assert len(warned) == 1 and warned[0].startswith("bert-train: warning: step 4: "), warned
+    assert warned[0] in (run / "train.log").read_text()

@@ -138,6 +138,25 @@ def eval_line(step: int, result: dict) -> str:
             f"{result.get('eval_mlm_accuracy_masked', float('nan')):.4f}){_nsp_part(result)}")
 
 
+# From this step on, a held-out MLM accuracy no better than always answering the most frequent
+# token is worth a warning: short runs (tests, the demo's first evaluations) are legitimately
+# there, and a healthy BERT-mini run on a real corpus is well clear of it by step 250.
+STALL_WARNING_STEP = 1000
+STALL_MARGIN = 0.01
+
+
+def stall_warning(step: int, result: dict, baseline: float) -> str | None:
+    """The warning for a run still at the unigram level at `step`, else None."""
+    accuracy = result.get("eval_mlm_accuracy")
+    if step < STALL_WARNING_STEP or accuracy is None or accuracy > baseline + STALL_MARGIN:
+        return None
+    return (f"bert-train: warning: step {step}: held-out MLM accuracy {accuracy:.4f} is no "
+            f"better than always predicting the most frequent token ({baseline:.4f}): the model "
+            f"has learned word frequencies only; if later evaluations stay there, the run is "
+            f"stuck (seen at too high a learning rate): restart it with a lower optim.lr, or "
+            f"with trainer.attention_locality (docs/learning-check.md)")
+
+
 def end_lines(t, final: str, baseline) -> list:
     """What bert-train says at the end: where it stopped, the last evaluation against the
     most-frequent-token baseline, and where everything is."""
