@@ -555,17 +555,25 @@ class Trainer:
     def _warn_if_stalled(self, result: dict) -> None:
         """Once per run: a warning when the held-out MLM accuracy is still at the level of
         always predicting the most frequent token after runlog.STALL_WARNING_STEP steps (a
-        run at too high a rate stays there for good; it logged nothing out of the ordinary)."""
-        from .components.runlog import STALL_WARNING_STEP, stall_warning
+        run at too high a rate stays there for good; it logged nothing out of the ordinary);
+        once more when an ELECTRA encoder still finds no replaced token."""
+        from .components.runlog import (STALL_WARNING_STEP, detection_stall_warning,
+                                        stall_warning)
 
-        if getattr(self, "stall_warned", False) or self.step < STALL_WARNING_STEP:
+        if self.step < STALL_WARNING_STEP:
             return
-        if not hasattr(self, "unigram_baseline"):
-            self.unigram_baseline = majority_baseline(self.data, self.s.data.eval_split)
-        line = stall_warning(self.step, result, self.unigram_baseline)
+        warned = self.__dict__.setdefault("stall_warned", set())
+        if "mlm" not in warned:
+            if not hasattr(self, "unigram_baseline"):
+                self.unigram_baseline = majority_baseline(self.data, self.s.data.eval_split)
+            line = stall_warning(self.step, result, self.unigram_baseline)
+            if line:
+                self.log.warning(line)
+                warned.add("mlm")
+        line = None if "rtd" in warned else detection_stall_warning(self.step, result)
         if line:
             self.log.warning(line)
-            self.stall_warned = True
+            warned.add("rtd")
 
     # ------------------------------------------------------------------ saving
     def save(self) -> str:

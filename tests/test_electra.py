@@ -3,6 +3,7 @@ into the encoder's input, how the sampling follows its predictions, where each l
 goes, and the paths around it: bert-train (evaluation, exact resume), continued pretraining,
 bert-export and fine-tuning's encoder."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -298,3 +299,51 @@ def test_two_processes_train_it_and_fsdp_is_refused_in_one_line(tmp_path):
     assert (r.stdout + r.stderr).strip().splitlines() == [
         "bert-train: error: model.generator_layers > 0 (ELECTRA) is not supported with FSDP "
         "(trainer.sharding resolved to fsdp); use trainer.sharding=ddp"]
+
+
+@pytest.mark.parametrize("answer", ["always replaced", "never replaced"])
+def test_evaluation_scores_detection_against_its_baseline(prepared, answer):
+    """A detector forced to one answer: "never" scores exactly the baseline and finds no
+    replaced token, "always" scores 1 - baseline and finds them all; and the evaluation is the
+    same twice (sampling from a fixed seed), leaving the caller's random stream untouched."""
+    from bert_pretrain.components.data import DataConfig, PreparedData, eval_batches
+    from bert_pretrain.components.evaluation import evaluate
+    from test_mlm_only import _OneProcess
+
+    data = PreparedData(prepared)
+    model = BertForPreTraining(dataclasses.replace(_model(nsp=True).config,
+                                                   vocab_size=data.vocab_size))
+    with torch.no_grad():
+        model.discriminator_predictions.dense_prediction.weight.zero_()
+        model.discriminator_predictions.dense_prediction.bias.fill_(
+            100.0 if answer == "always replaced" else -100.0)
+
+    def run():
+        return evaluate(model, _OneProcess(), eval_batches(data, DataConfig(dir=prepared), 4, 1,
+                                                           0, 8))
+    torch.manual_seed(11)
+    first = run()
+    after = torch.rand(1)
+    torch.manual_seed(11)
+    assert run() == first and torch.equal(torch.rand(1), after)
+    base = first["eval_rtd_accuracy_baseline"]
+    assert 0.5 < base < 1.0
+    if answer == "never replaced":
+        assert first["eval_rtd_accuracy"] == pytest.approx(base) and first["eval_rtd_recall"] == 0
+    else:
+        assert first["eval_rtd_accuracy"] == pytest.approx(1 - base)
+        assert first["eval_rtd_recall"] == 1.0
+
+
+def test_a_detector_that_finds_nothing_is_warned_about():
+    from bert_pretrain.components.runlog import STALL_WARNING_STEP, detection_stall_warning
+
+    stuck = {"eval_rtd_recall": 0.0, "eval_rtd_accuracy": 0.8795,
+             "eval_rtd_accuracy_baseline": 0.8795}
+    assert detection_stall_warning(STALL_WARNING_STEP - 1, stuck) is None
+    line = detection_stall_warning(STALL_WARNING_STEP, stuck)
+    assert line.startswith(f"bert-train: warning: step {STALL_WARNING_STEP}: the encoder finds "
+                           f"0.0000 of the replaced tokens")
+    assert "trainer.rtd_loss_weight" in line and "\n" not in line
+    assert detection_stall_warning(STALL_WARNING_STEP, {**stuck, "eval_rtd_recall": 0.2}) is None
+    assert detection_stall_warning(STALL_WARNING_STEP, {"eval_mlm_accuracy": 0.3}) is None

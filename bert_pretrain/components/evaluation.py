@@ -46,12 +46,14 @@ def _evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast
     `lockstep`: (forward passes, a filler batch) for a sharded model, whose every forward is a
     collective: a process that ran out of batches runs the filler until it has made as many
     passes as the others, and drops those results (sharding.eval_forward_passes).
-    With an ELECTRA generator also `eval_rtd_loss` and `eval_rtd_accuracy`: the encoder's
-    replaced-token detection over every real token (`eval_mlm_*` are then the generator's).
+    With an ELECTRA generator also `eval_rtd_loss`, `eval_rtd_accuracy` (its baseline, always
+    answering "not replaced": `eval_rtd_accuracy_baseline`) and `eval_rtd_recall` (the share of
+    replaced tokens flagged): the encoder's replaced-token detection over every real token
+    (`eval_mlm_*` are then the generator's).
     """
     was_training = model.training
     model.eval()
-    sums = torch.zeros(15, dtype=torch.float64, device=accelerator.device)
+    sums = torch.zeros(17, dtype=torch.float64, device=accelerator.device)
     # An MLM-only model (no NSP head) is scored on the masked tokens of any data; its result
     # has no eval_nsp_* keys, nor has any model's on MLM-only data (no NSP labels).
     nsp = getattr(getattr(model, "config", None), "next_sentence_prediction", True)
@@ -80,11 +82,13 @@ def _evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast
                                                        inputs["next_sentence_label"])
         if out.rtd_loss is not None:  # an ELECTRA generator: replaced-token detection
             guess = out.rtd_logits > 0
-            sums[12:15] += torch.stack([
+            replaced = out.rtd_labels.bool()
+            sums[12:17] += torch.stack([
                 F.binary_cross_entropy_with_logits(out.rtd_logits.float(), out.rtd_labels,
                                                    reduction="sum").double(),
-                (guess == out.rtd_labels.bool()).sum().double(),
-                guess.new_tensor(guess.numel(), dtype=torch.float64)])
+                (guess == replaced).sum().double(),
+                guess.new_tensor(guess.numel(), dtype=torch.float64),
+                replaced.sum().double(), (guess & replaced).sum().double()])
         if progress is not None:
             progress.update(1)
     if lockstep is not None:
@@ -105,7 +109,11 @@ def _evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast
                                                  sums[10].item() / max(sums[11].item(), 1.0))})
     if sums[14].item() > 0:
         result.update({"eval_rtd_loss": sums[12].item() / sums[14].item(),
-                       "eval_rtd_accuracy": sums[13].item() / sums[14].item()})
+                       "eval_rtd_accuracy": sums[13].item() / sums[14].item(),
+                       # the accuracy of always answering "not replaced", and the share of the
+                       # replaced tokens found: a detector stuck at the base rate finds none
+                       "eval_rtd_accuracy_baseline": 1.0 - sums[15].item() / sums[14].item(),
+                       "eval_rtd_recall": sums[16].item() / max(sums[15].item(), 1.0)})
     if mask_id is not None:
         result["eval_mlm_accuracy_masked"] = sums[6].item() / max(sums[7].item(), 1.0)
     return result

@@ -125,7 +125,9 @@ def already_finished_line(t) -> str:
 def _nsp_part(result: dict, chance: bool = False) -> str:
     rtd = ""
     if "eval_rtd_accuracy" in result:  # ELECTRA: the encoder's own task (the MLM: generator's)
-        rtd = f", replaced-token detection accuracy {result['eval_rtd_accuracy']:.4f}"
+        rtd = (f", replaced-token detection accuracy {result['eval_rtd_accuracy']:.4f} "
+               f"(never answering replaced: {result['eval_rtd_accuracy_baseline']:.4f}; replaced "
+               f"tokens found: {result['eval_rtd_recall']:.4f})")
     if "eval_nsp_accuracy" not in result:  # MLM-only
         return rtd
     return rtd + f", NSP accuracy {result['eval_nsp_accuracy']:.4f}" + (
@@ -155,6 +157,20 @@ def stall_warning(step: int, result: dict, baseline: float) -> str | None:
             f"has learned word frequencies only; if later evaluations stay there, the run is "
             f"stuck (seen at too high a learning rate): restart it with a lower optim.lr, or "
             f"with trainer.attention_locality (docs/learning-check.md)")
+
+
+def detection_stall_warning(step: int, result: dict) -> str | None:
+    """ELECTRA's counterpart: the encoder flags (almost) no replaced token at `step`, so it
+    has learned only how many tokens are replaced, not which."""
+    recall = result.get("eval_rtd_recall")
+    if step < STALL_WARNING_STEP or recall is None or recall > STALL_MARGIN:
+        return None
+    return (f"bert-train: warning: step {step}: the encoder finds {recall:.4f} of the replaced "
+            f"tokens (accuracy {result['eval_rtd_accuracy']:.4f}, never answering replaced: "
+            f"{result['eval_rtd_accuracy_baseline']:.4f}): it has learned the rate of "
+            f"replacements only; if later evaluations stay there, the detector is stuck (seen "
+            f"with trainer.rtd_loss_weight 10 and 50 at optim.lr=1e-3): restart with a lower "
+            f"trainer.rtd_loss_weight or optim.lr")
 
 
 def end_lines(t, final: str, baseline) -> list:
