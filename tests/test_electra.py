@@ -347,3 +347,32 @@ def test_a_detector_that_finds_nothing_is_warned_about():
     assert "trainer.rtd_loss_weight" in line and "\n" not in line
     assert detection_stall_warning(STALL_WARNING_STEP, {**stuck, "eval_rtd_recall": 0.2}) is None
     assert detection_stall_warning(STALL_WARNING_STEP, {"eval_mlm_accuracy": 0.3}) is None
+
+
+def test_every_speed_switch_computes_the_same_electra_step():
+    """The generator and the encoder run through the same speed paths (unpadding, length
+    groups, nested attention, gradient checkpointing, fused QKV, SDPA): each combination gives
+    the plain path's two losses and gradient, so no pair of switches crashes or differs."""
+    import itertools
+
+    reference = None
+    for unpad, varlen, checkpointing, fused, attention in itertools.product(
+            [True, False], ["groups", "nested", "off"], [False, True], [False, True],
+            ["eager", "sdpa"]):
+        if not unpad and varlen != "off":
+            continue
+        torch.manual_seed(0)
+        config = _model().config
+        model = BertForPreTraining(config, ModelImpl(
+            unpad=unpad, varlen_attention=varlen, gradient_checkpointing=checkpointing,
+            fused_qkv=fused, attention=attention)).train()
+        ids, mask, labels = _batch()
+        torch.manual_seed(3)
+        out = model(ids, mask, labels=labels)
+        (out.mlm_loss + out.rtd_loss).backward()
+        got = torch.stack([out.mlm_loss.detach(), out.rtd_loss.detach(),
+                           model.bert.encoder.layer[0].output.dense.weight.grad.norm(),
+                           model.generator.layer[0].output.dense.weight.grad.norm()])
+        reference = got if reference is None else reference
+        assert torch.allclose(got, reference, atol=1e-4), (unpad, varlen, checkpointing, fused,
+                                                           attention, got, reference)
