@@ -89,12 +89,16 @@ def test_a_grid_keeps_the_median_model_and_reads_a_finished_grid_back(run, tasks
     assert again["grid"] == summary["grid"]
 
 
-def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch, one_thread):
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_interrupted_fine_tune_resumes_exactly(decay, run, tasks, tmp_path, monkeypatch,
+                                               one_thread):
+    """Also with layer-wise rate decay (one optimizer group per layer and kind to restore)."""
     from bert_pretrain.components.checkpoint_manager import list_checkpoints
     from bert_pretrain.finetune.runner import FineTune
 
     common = [*tasks["pair"], f"model={run}", *FAST, "recipe.dropout=0.1",
-              "trainer.checkpoint_every=10", "trainer.save_model=all"]
+              "trainer.checkpoint_every=10", "trainer.save_model=all",
+              f"recipe.layer_lr_decay={decay}"]
     whole = finetune_in_process([*common, f"out_dir={tmp_path / 'whole'}"])
     real_step = kill_fine_tune_at(monkeypatch, 25)
     with pytest.raises(RuntimeError, match="killed"):
@@ -113,6 +117,58 @@ def test_interrupted_fine_tune_resumes_exactly(run, tasks, tmp_path, monkeypatch
     assert steps == list(range(1, 97))  # steps 21-25 of the cut run were logged once
     assert records[-1]["accuracy"] == whole["metrics"]["accuracy"]
     assert not os.path.exists(member / "checkpoints")  # finished: resume state removed
+
+
+def test_layer_lr_decay_gives_each_layer_its_rate(run, tasks, tmp_path, monkeypatch, one_thread):
+    """recipe.layer_lr_decay=0.5: at every step the head (pooler, classifier) takes the
+    scheduled rate, encoder layer i of L the rate x 0.5^(L - i), the embeddings 0.5^(L + 1);
+    and the embeddings move less than with one rate."""
+    from bert_pretrain.finetune.runner import FineTune
+
+    seen = []
+    real_step = FineTune.train_step
+
+    def recording_step(self):
+        out = real_step(self)
+        rates = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
+        seen.append((self.current_lr, {n: rates[id(p)]
+                                       for n, p in self.raw_model.named_parameters()}))
+        return out
+
+    monkeypatch.setattr(FineTune, "train_step", recording_step)
+    common = [*tasks["sentence"], f"model={run}", *FAST, "recipe.epochs=1",
+              "trainer.save_model=all"]
+    finetune_in_process([*common, "recipe.layer_lr_decay=0.5", f"out_dir={tmp_path / 'd'}"])
+    layers = {int(n.split(".")[3]) for n in seen[0][1] if n.startswith("bert.encoder.layer.")}
+    L = len(layers)
+    assert L >= 2 and layers == set(range(L))
+
+    def exponent(name):
+        if name.startswith("bert.embeddings."):
+            return L + 1
+        if name.startswith("bert.encoder.layer."):
+            return L - int(name.split(".")[3])
+        assert name.startswith(("bert.pooler.", "classifier.")), name
+        return 0
+
+    assert len(seen) > 3 and any(lr > 0 for lr, _ in seen)
+    for lr, rates in seen:
+        for name, rate in rates.items():
+            assert rate == pytest.approx(lr * 0.5 ** exponent(name), rel=1e-12, abs=0), name
+    seen.clear()
+    finetune_in_process([*common, f"out_dir={tmp_path / 'one'}"])
+    assert all(set(rates.values()) == {lr} for lr, rates in seen)
+    before = load_pretrained_weights(run)["bert.embeddings.word_embeddings.weight"]
+    moved = {d: (_weights(tmp_path / d / "lr0.001-seed1" / "model")
+                 ["bert.embeddings.word_embeddings.weight"] - before).norm().item()
+             for d in ("d", "one")}
+    assert 0 < moved["d"] < 0.5 * moved["one"], moved
+
+
+def load_pretrained_weights(run) -> dict:
+    from bert_pretrain.finetune.pretrained import load_pretrained
+
+    return load_pretrained(run).encoder_state
 
 
 def test_a_fine_tune_resume_restores_the_global_random_state(run, tasks, tmp_path, monkeypatch,

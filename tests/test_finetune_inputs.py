@@ -205,6 +205,8 @@ def _regression(tmp_path, metric, *model):
     ("missing model", "no such directory"),
     ("bad precision", "trainer.mixed_precision must be one of auto, no, bf16, fp16"),
     ("misspelt pooling", "recipe.pooling must be one of cls, mean, got 'men'"),
+    ("layer decay above 1", "recipe.layer_lr_decay must be in (0, 1] (1 = one rate for every "
+                            "layer), got 1.5"),
     ("a bert-train setting", "'data' is a bert-train setting (conf/train/), not a "
                              "bert-finetune one"),
     ("regression scored by accuracy", "task.metrics: accuracy scores classes; a regression "
@@ -238,6 +240,7 @@ def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monk
         "missing model": lambda: [f"model={tmp_path / 'nothing'}", f"out_dir={tmp_path / 'out'}"],
         "bad precision": lambda: ["trainer.mixed_precision=bf17", *model],
         "misspelt pooling": lambda: ["recipe.pooling=men", *model],
+        "layer decay above 1": lambda: ["recipe.layer_lr_decay=1.5", *model],
         "a bert-train setting": lambda: ["data.dir=prepared/x", *model],
         "regression scored by accuracy": lambda: _regression(tmp_path, "accuracy", *model),
         "regression scored by mcc": lambda: _regression(tmp_path, "mcc", *model),

@@ -132,6 +132,8 @@ def test_other_settings_are_written_beside_and_the_same_settings_reuse(run, task
     assert finetune_in_process(base)["grid"] == first["grid"]
     assert finetune_in_process([*base, "recipe.max_length=24"])["out_dir"] == \
         str(tmp_path / "out-2")
+    # an option's default is what results before the option were of: read back, not redone
+    assert finetune_in_process([*base, "recipe.layer_lr_decay=1.0"])["grid"] == first["grid"]
     # another precision rounds its own way: not the fp32 results read back under its name
     monkeypatch.undo()
     bf16 = finetune_in_process([*base, "trainer.mixed_precision=bf16"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bert_pretrain.components.optim import (Lamb, OptimConfig, Schedule, SchedulerConfig, build_optimizer,
-                                 param_groups)
+                                 param_groups, set_lr)
 
 
 def lamb_reference(params, grads_per_step, lr, b1, b2, eps, wd, adapt):
@@ -62,6 +62,31 @@ def test_param_groups_exclude_bias_and_layernorm_from_weight_decay():
     assert decay == {id(model[0].weight), id(model[2].weight)}
     assert no_decay == {id(model[0].bias), id(model[1].weight), id(model[1].bias)}
     assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+
+
+def test_param_groups_with_rate_factors_split_by_factor_and_set_lr_applies_them():
+    """Layer-wise decay (fine-tuning): one decay / no-decay pair per factor, each group's rate
+    the scheduled rate times its factor; AdamW and LAMB take the groups."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4),
+                                torch.nn.Linear(4, 2))
+    factor = {"0": 0.25, "1": 0.5, "2": 1.0}
+    groups = param_groups(model.named_parameters(), 0.01, lambda name: factor[name[0]])
+    found = {(g["lr_scale"], g["weight_decay"]): {id(p) for p in g["params"]} for g in groups}
+    assert found == {(0.25, 0.01): {id(model[0].weight)}, (0.25, 0.0): {id(model[0].bias)},
+                     (0.5, 0.0): {id(model[1].weight), id(model[1].bias)},
+                     (1.0, 0.01): {id(model[2].weight)}, (1.0, 0.0): {id(model[2].bias)}}
+    for name in ("adamw", "lamb"):
+        opt = build_optimizer(OptimConfig(name=name, lr=1e-3), model.named_parameters(),
+                              lambda n: factor[n[0]])
+        set_lr(opt, 2e-3)
+        rates = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+        assert rates[id(model[0].weight)] == pytest.approx(5e-4)
+        assert rates[id(model[1].bias)] == pytest.approx(1e-3)
+        assert rates[id(model[2].weight)] == pytest.approx(2e-3)
+    # without factors: the two groups as before, every rate the scheduled one
+    plain = build_optimizer(OptimConfig(name="adamw"), model.named_parameters())
+    set_lr(plain, 2e-3)
+    assert len(plain.param_groups) == 2 and {g["lr"] for g in plain.param_groups} == {2e-3}
 
 
 def test_adamw_is_fused_on_cpu_and_lamb_is_built():

@@ -107,20 +107,32 @@ class SchedulerConfig:
 # Parameter groups and optimizers
 
 
-def param_groups(named_params, weight_decay: float) -> list:
+def param_groups(named_params, weight_decay: float, lr_scale=None) -> list:
     """Two groups: matrices decay; biases and LayerNorm weights (all 1-d tensors) do not.
 
     Google's BERT excludes "LayerNorm" and "bias" by name; every such tensor is 1-d and every
     other BERT tensor is 2-d, so the shape rule is the same set without string matching.
+
+    `lr_scale` (name -> factor of the scheduled rate, layer-wise decay): one such pair of
+    groups per factor, each holding its `lr_scale` for set_lr.
     """
-    decay, no_decay = [], []
-    for _, p in named_params:
+    scales = lr_scale is not None
+    groups: dict = {(1.0, False): [], (1.0, True): []}  # one rate: always these two, in order
+    for name, p in named_params:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0, "exclude_from_layer_adaptation": True},
-    ]
+            scale = float(lr_scale(name)) if scales else 1.0
+            groups.setdefault((scale, p.ndim < 2), []).append(p)
+    out = []
+    for (scale, no_decay), params in groups.items():
+        if not params and scales:
+            continue
+        group = {"params": params, "weight_decay": 0.0 if no_decay else weight_decay}
+        if no_decay:
+            group["exclude_from_layer_adaptation"] = True
+        if scales:
+            group["lr_scale"] = scale
+        out.append(group)
+    return out
 
 
 class Lamb(torch.optim.Optimizer):
@@ -181,9 +193,10 @@ def _fused_supported(params) -> bool:
                for p in params)
 
 
-def build_optimizer(cfg: OptimConfig, named_params) -> torch.optim.Optimizer:
+def build_optimizer(cfg: OptimConfig, named_params, lr_scale=None) -> torch.optim.Optimizer:
+    """`lr_scale`: name -> factor of the scheduled rate (param_groups); None = one rate."""
     named_params = list(named_params)
-    groups = param_groups(named_params, cfg.weight_decay)
+    groups = param_groups(named_params, cfg.weight_decay, lr_scale)
     if cfg.name == "lamb":
         return Lamb(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                     weight_decay=cfg.weight_decay)
@@ -285,4 +298,4 @@ class Schedule:
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # layer-wise decay (fine-tuning)

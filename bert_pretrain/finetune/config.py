@@ -45,6 +45,12 @@ class RecipeConfig:
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6
     max_grad_norm: Optional[float] = 1.0
+    layer_lr_decay: float = 1.0
+    """Layer-wise learning-rate decay: the classifier and pooler take the rate, encoder layer
+    i of L takes rate x decay^(L - i), the embeddings rate x decay^(L + 1); 1 = one rate for
+    all (the BERT paper). Below 1 the pretrained lower layers move less than the fresh head:
+    with 1,000 SST-2 labels 0.7 gave an in-domain BERT-mini +1.2 points and random init -1.6
+    (docs/finetuning-results.md, "Layer-wise rate decay")."""
     max_length: int = 128
     """Tokens per example, [CLS] and [SEP]s included (pairs: the longer text is cut first)."""
     dropout: Optional[float] = 0.1
@@ -78,6 +84,9 @@ class RecipeConfig:
             raise ValueError(f"recipe.betas must be two numbers in [0, 1), got {list(self.betas)}")
         if self.eps <= 0 or self.weight_decay < 0:
             raise ValueError("recipe.eps must be > 0 and recipe.weight_decay >= 0")
+        if not 0.0 < self.layer_lr_decay <= 1.0:
+            raise ValueError(f"recipe.layer_lr_decay must be in (0, 1] (1 = one rate for every "
+                             f"layer), got {self.layer_lr_decay}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("recipe.max_grad_norm must be > 0 or null")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:

@@ -68,8 +68,9 @@ def prepare_job(s, pretrained, config_yaml: str, say=print, *, precision: str) -
                 "data": data_sha256(data), "precision": precision,
                 "recipe": {k: v for k, v in dataclasses.asdict(s.recipe).items()
                            if k not in ("lrs", "seeds")
-                           # the default pooling is what results before the option were of
-                           and not (k == "pooling" and v == "cls")}}
+                           # the defaults of later options are what results
+                           # before them were of
+                           and (k, v) not in (("pooling", "cls"), ("layer_lr_decay", 1.0))}}
     return Job(s, pretrained, data, train, evals, config_yaml, identity)
 
 

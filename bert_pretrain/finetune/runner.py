@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ MODEL_DIR = "model"
 # Consecutive skipped (non-finite) steps after which a fine-tune stops, before the room an fp16
 # grad scaler gets to find its scale (precision.nonfinite_limit): pretraining's default.
 MAX_NONFINITE_STEPS = 10
+_LAYER = re.compile(r"bert\.encoder\.layer\.(\d+)\.")
 
 
 class Stopped(UserError):
@@ -124,6 +126,24 @@ class Job:
     config_yaml: str
     identity: dict
     """Everything the results depend on except lr and seed (a rerun must match it)."""
+
+
+def layer_depth(name: str, num_layers: int) -> int:
+    """0 for the embeddings, i + 1 for encoder layer i, num_layers + 1 for what reads the last
+    layer (pooler, classifier, a pre-LN encoder's final LayerNorm)."""
+    if name.startswith("bert.embeddings."):
+        return 0
+    match = _LAYER.match(name)
+    return int(match.group(1)) + 1 if match else num_layers + 1
+
+
+def layer_lr_scale(decay: float, num_layers: int):
+    """Layer-wise learning-rate decay (ELECTRA's and DeBERTa's fine-tuning): the head takes
+    the scheduled rate, each layer below it `decay` times the one above, the embeddings
+    decay^(num_layers + 1); None at decay 1 (one rate: the optimizer's groups as before)."""
+    if decay == 1.0:
+        return None
+    return lambda name: decay ** (num_layers + 1 - layer_depth(name, num_layers))
 
 
 def run_identity(job: Job, lr: float, seed: int) -> dict:
@@ -236,7 +256,9 @@ class FineTune:
         optimizer = build_optimizer(OptimConfig(lr=self.lr, betas=list(recipe.betas),
                                                 eps=recipe.eps,
                                                 weight_decay=recipe.weight_decay),
-                                    model.named_parameters())
+                                    model.named_parameters(),
+                                    layer_lr_scale(recipe.layer_lr_decay,
+                                                   config.num_hidden_layers))
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.raw_model = model
         warmup = int(round(recipe.warmup_ratio * self.order.num_steps))
