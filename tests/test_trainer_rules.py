@@ -414,17 +414,25 @@ def test_entry_point_sets_passive_omp_wait_before_torch_loads():
     import sys
 
     code = ("import sys, os; import bert_pretrain.train; "
-            "print(os.environ.get('OMP_WAIT_POLICY'))")
+            "from bert_pretrain.components.cpu_runtime import omp_wait_setting; "
+            "print(os.environ.get('OMP_WAIT_POLICY')); print(omp_wait_setting())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
                          capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
+    policy, logged = out.stdout.strip().splitlines()
+    assert policy == "PASSIVE"
+    # the run's log says what the default costs, and how to choose otherwise
+    assert logged.startswith("OMP_WAIT_POLICY=PASSIVE (the default; OMP_WAIT_POLICY=ACTIVE")
     order = [line.split("|")[-1].strip() for line in out.stderr.splitlines() if "|" in line]
     assert order.index("bert_pretrain.components.cpu_runtime") < order.index("torch")
     env["OMP_WAIT_POLICY"] = "ACTIVE"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True)
-    assert out.stdout.strip() == "ACTIVE"
+    assert out.stdout.strip().splitlines() == ["ACTIVE", "OMP_WAIT_POLICY=ACTIVE"]
+    env["OMP_WAIT_POLICY"] = "PASSIVE"  # the user's own PASSIVE: no advice to undo it
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().splitlines() == ["PASSIVE", "OMP_WAIT_POLICY=PASSIVE"]
 
 
 def test_nsp_loss_weight_scales_the_nsp_gradient_only(tmp_path, synthetic):

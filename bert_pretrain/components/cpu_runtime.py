@@ -6,10 +6,15 @@ Three things, each measured with bench/bench_model.py (docs/benchmarks.md, "CPU 
   parallel op; by default a thread that arrives first spins.  On a machine where another
   process wants a core, the spinning thread takes the core the late thread needs: with one
   busy process beside a 2-thread run, a BERT-base fp32 step took 6.7 s spinning and 5.2 s
-  sleeping at the barrier (OMP_WAIT_POLICY=PASSIVE), a BERT-mini step 1.63 s and 1.15 s, for
-  up to ~5% on a quiet machine.  libgomp reads the variable when torch loads it, so the entry
-  points call `prefer_passive_omp_wait()` before importing torch; an OMP_WAIT_POLICY already
-  in the environment wins (ACTIVE on a dedicated machine).
+  sleeping at the barrier (OMP_WAIT_POLICY=PASSIVE), a BERT-mini step 1.63 s and 1.15 s.
+  The price is on a machine nothing else uses, and it grows as ops shrink: ~5% at those
+  benchmark shapes, but the small recipes' steps (domain_mini pretraining, fine-tuning a
+  BERT-mini) take 1.5-1.8x as long as with spinning threads, each barrier a sleep and a wake
+  (bench/bench_omp_wait.py).  Passive stays the default because spinning beside one busy
+  process was 2.0-2.4x slower still on those recipes: a slow run on a shared machine beats a
+  crawl.  libgomp reads the variable when torch loads it, so the entry points call
+  `prefer_passive_omp_wait()` before importing torch; an OMP_WAIT_POLICY already in the
+  environment wins (ACTIVE on a dedicated machine).
 - Freed memory kept in the process.  glibc returns every block over its mmap threshold
   (at most 32 MB) to the kernel when it is freed, so the word-embedding gradient, its bf16
   copy and other big per-step tensors come back as fresh pages, each first touch a page fault:
@@ -39,9 +44,26 @@ _M_MMAP_MAX = -4
 NO_BF16_UNITS_ENV = "BERT_PRETRAIN_NO_BF16_UNITS"
 
 
+_PASSIVE_BY_DEFAULT = False
+"""Whether this process set OMP_WAIT_POLICY (rather than the user or a parent process)."""
+
+
 def prefer_passive_omp_wait() -> None:
     """Before torch is imported: OpenMP threads sleep at barriers unless the user chose."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    global _PASSIVE_BY_DEFAULT
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        _PASSIVE_BY_DEFAULT = True
+
+
+def omp_wait_setting() -> str:
+    """How OpenMP threads wait, for the run's log: the policy, and where it is our default,
+    what choosing ACTIVE would gain (the log is where a user looks for why a run is slow)."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    if _PASSIVE_BY_DEFAULT and policy == "PASSIVE":
+        return ("OMP_WAIT_POLICY=PASSIVE (the default; OMP_WAIT_POLICY=ACTIVE runs small models "
+                "~1.5x faster where nothing else uses the cores: docs/benchmarks.md)")
+    return f"OMP_WAIT_POLICY={policy}"
 
 
 def keep_freed_memory() -> bool:

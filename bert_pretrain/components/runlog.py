@@ -87,8 +87,9 @@ def start_lines(t) -> list:
            f"; weights from {tc.init_from}" if tc.init_from else "")]
     if getattr(t, "shard_layout", None):
         lines.append(f"bert-train: sharding: {t.shard_layout}")
-    threads = (f"; {torch.get_num_threads()} CPU threads, OMP_WAIT_POLICY="
-               f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    from .cpu_runtime import omp_wait_setting
+
+    threads = (f"; {torch.get_num_threads()} CPU threads, {omp_wait_setting()}"
                f"{', freed memory kept' if t.keeps_freed_memory else ''}"
                if t.accelerator.device.type == "cpu" else "")
     lines.append(f"bert-train: precision {t.precision.describe()} ({t.precision.reason}){threads}")
