@@ -41,7 +41,11 @@ def _env(policy: str) -> dict:
 
 
 def _run(cmd: list, policy: str) -> None:
-    r = subprocess.run(cmd, env=_env(policy), capture_output=True, text=True)
+    try:  # a run that hangs (a lost lock, a stuck thread) ends the bench, not the afternoon
+        r = subprocess.run(cmd, env=_env(policy), capture_output=True, text=True, timeout=3600)
+    except subprocess.TimeoutExpired:
+        sys.exit(f"bench_omp_wait: {' '.join(cmd[:2])} ran over an hour under "
+                 f"OMP_WAIT_POLICY={policy}; is something else using the cores?")
     if r.returncode:
         sys.exit(f"bench_omp_wait: {' '.join(cmd[:2])} failed (exit {r.returncode}):\n"
                  f"{r.stderr[-2000:]}")
