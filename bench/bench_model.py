@@ -67,6 +67,7 @@ PRESET_SIZES = {  # (layers, hidden, heads, intermediate): conf/train/model/<nam
 VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is worth
     "ours": {},
     "ours-no-unpad": {"unpad": False},
+    "ours-unpad": {"unpad": True},
     "ours-fused-qkv": {"fused_qkv": True},
     "ours-split-qkv": {"fused_qkv": False},
     "ours-no-fast-dropout": {"fast_dropout": False},
@@ -84,13 +85,15 @@ IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
 
 def same_as_default(switches: dict, device_type: str) -> bool:
     """Whether a variant runs what the default (`auto`) already runs on this device, e.g.
-    ours-fused-qkv on a GPU, ours-split-qkv on a CPU: timing it twice measures nothing."""
+    ours-fused-qkv or ours-no-unpad on a GPU, ours-split-qkv or ours-unpad on a CPU: timing it
+    twice measures nothing."""
     impl, default = dataclasses.replace(ModelImpl(), **switches), ModelImpl()
-    resolved = ("resolved_fused_qkv", "resolved_sparse_last_layer", "resolved_varlen_attention")
+    resolved = ("resolved_fused_qkv", "resolved_sparse_last_layer", "resolved_varlen_attention",
+                "resolved_unpad")
     return all(getattr(impl, r)(device_type) == getattr(default, r)(device_type)
                for r in resolved) and \
         all(getattr(impl, k) == getattr(default, k) for k in switches
-            if k not in ("fused_qkv", "sparse_last_layer", "varlen_attention"))
+            if k not in ("fused_qkv", "sparse_last_layer", "varlen_attention", "unpad"))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -133,8 +133,9 @@ def test_baseline_revision_is_timed_beside_ours_on_new_batches(tmp_path):
 
 
 def test_a_variant_the_device_already_runs_is_not_timed_again():
-    """With fused Q/K/V and the full last layer `auto` per device, `ours-fused-qkv` is the
-    default on a GPU and `ours-split-qkv` on a CPU: the bench skips whichever equals `ours`."""
+    """With fused Q/K/V, the full last layer and unpadding `auto` per device, `ours-fused-qkv`
+    is the default on a GPU and `ours-split-qkv` on a CPU: the bench skips whichever equals
+    `ours`."""
     sys.path.insert(0, str(REPO / "bench"))
     from bench_model import same_as_default
 
@@ -143,6 +144,10 @@ def test_a_variant_the_device_already_runs_is_not_timed_again():
     assert same_as_default({"fused_qkv": True}, "cuda")
     assert same_as_default({"sparse_last_layer": False}, "cuda")
     assert not same_as_default({"sparse_last_layer": False}, "cpu")
-    assert not same_as_default({"unpad": False}, "cuda")
+    # unpadding is `auto` too: on a CPU, not on a GPU (the padded grid was 1.2x faster, H200)
+    assert same_as_default({"unpad": False}, "cuda")
+    assert not same_as_default({"unpad": True}, "cuda")
+    assert same_as_default({"unpad": True}, "cpu")
+    assert not same_as_default({"unpad": False}, "cpu")
     assert same_as_default({"varlen_attention": "off"}, "cuda")
     assert not same_as_default({"varlen_attention": "nested"}, "cuda")

@@ -82,7 +82,7 @@ def _tiny(**kw):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("switches", [
-    dict(varlen_attention="off", attention="sdpa"),
+    dict(varlen_attention="off", attention="sdpa", unpad=True),
     dict(varlen_attention="groups", attention="sdpa"),
     dict(varlen_attention="nested"),
     dict(varlen_attention="nested", sparse_last_layer=False),

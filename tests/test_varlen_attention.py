@@ -311,8 +311,34 @@ def test_auto_picks_per_device(device, expected):
     assert ModelImpl(varlen_attention="groups").resolved_varlen_attention(device) == "groups"
     assert ModelImpl(unpad=False).resolved_varlen_attention(device) == "off"
     line = describe(ModelImpl(), None, device)
-    assert f"varlen_attention={expected} (auto on {device})" in line
+    # (on a GPU the grid is padded, so `off` is no choice of varlen_attention's own)
+    assert (f"varlen_attention={expected} (auto on {device})" if device == "cpu"
+            else f"varlen_attention={expected}, ") in line
     assert f"attention={'eager' if device == 'cpu' else 'sdpa'} (auto on {device})" in line
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_unpad_auto_per_device(device):
+    """auto: unpadded on CPUs, the padded grid on GPUs (1.2x a step at three BERT shapes on an
+    H200, docs/gpu.md), except where the attention asked for is over real tokens (groups,
+    nested), which needs the unpadded rows on every device; an explicit value stands, and the
+    start-up line says which it became."""
+    gpu = device != "cpu"
+    assert ModelImpl().unpad == "auto"
+    assert ModelImpl().resolved_unpad(device) is (not gpu)
+    assert ModelImpl().resolved_varlen_attention(device) == ("off" if gpu else "groups")
+    for varlen in ("groups", "nested"):
+        impl = ModelImpl(varlen_attention=varlen)
+        assert impl.resolved_unpad(device) is True
+        assert impl.resolved_varlen_attention(device) == varlen
+    assert ModelImpl(varlen_attention="off").resolved_unpad(device) is (not gpu)
+    for value in (True, False):
+        assert ModelImpl(unpad=value).resolved_unpad(device) is value
+    line = describe(ModelImpl(), None, device)
+    assert line.startswith(f"{'padded' if gpu else 'unpadded'} (auto on {device}), ")
+    assert describe(ModelImpl(unpad=True), None, device).startswith("unpadded, ")
+    with pytest.raises(ValueError, match="impl.unpad must be true, false or auto, got 'yes'"):
+        ModelImpl(unpad="yes")
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -100,7 +100,8 @@ class BertModel(nn.Module):
         the last layer, which then computes just those rows. Ignored when hidden states or
         attention maps are requested (they cover every position)."""
         b, n = input_ids.shape
-        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad)
+        layout = TokenLayout.build(attention_mask, b, n,
+                                    self.impl.resolved_unpad(input_ids.device.type))
         subset = None
         if keep is not None and not (output_attentions or output_hidden_states):
             subset = QuerySubset.build(keep, layout)
@@ -254,7 +255,8 @@ class BertForPreTraining(nn.Module):
         labels (fill-mask): the generator's dense logits, and the encoder on the input as it
         is."""
         b, n = input_ids.shape
-        layout = TokenLayout.build(attention_mask, b, n, self.impl.unpad)
+        layout = TokenLayout.build(attention_mask, b, n,
+                                    self.impl.resolved_unpad(input_ids.device.type))
         gen, _, _ = self.generator(self.bert.embeddings(input_ids, token_type_ids, layout), layout)
         if labels is None:
             enc = self.bert(input_ids, attention_mask, token_type_ids, output_attentions,

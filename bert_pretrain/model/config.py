@@ -185,9 +185,10 @@ class ModelImpl:
     FFN and LayerNorms only for the labelled positions and [CLS] (all that is read after it);
     keys and values still come from every token. auto: on CPUs, not on GPUs
     (`resolved_sparse_last_layer`)."""
-    unpad: bool = True
+    unpad: bool | str = "auto"
     """Drop padding tokens before the projections, FFN and LayerNorms; pad again only around the
-    attention product itself."""
+    attention product itself. auto: on CPUs, and wherever `varlen_attention` is groups or
+    nested (they need it); not on GPUs otherwise (`resolved_unpad`)."""
     varlen_attention: str = "auto"
     """With unpad: how attention reaches the real tokens.
     groups: sequences grouped by length (a small cost model picks the groups), each group
@@ -228,11 +229,11 @@ class ModelImpl:
             f"impl.varlen_attention {self.varlen_attention!r} is not supported; use one of "
             f"{', '.join(VARLEN_ATTENTION)} (or true / false: groups / off)",
         )
-        for name in ("sparse_last_layer", "fused_qkv"):
+        for name in ("sparse_last_layer", "fused_qkv", "unpad"):
             value = getattr(self, name)
             _check(isinstance(value, bool) or value == "auto",
                    f"impl.{name} must be true, false or auto, got {value!r}")
-        for name in ("sparse_prediction", "unpad", "fast_dropout", "gradient_checkpointing",
+        for name in ("sparse_prediction", "fast_dropout", "gradient_checkpointing",
                      "compile"):
             value = getattr(self, name)
             _check(isinstance(value, bool), f"impl.{name} must be true or false, got {value!r}")
@@ -250,11 +251,22 @@ class ModelImpl:
         SDPA's fused kernels was 6x faster than the groups (BERT-base b256 L128, 0.086 vs
         0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` was not
         measured on a GPU yet; bench/gpu_check.py does."""
-        if not self.unpad:
+        if not self.resolved_unpad(device_type):
             return "off"  # varlen needs the unpadded layout
         if self.varlen_attention != "auto":
             return self.varlen_attention
         return "groups" if device_type == "cpu" else "off"
+
+    def resolved_unpad(self, device_type: str) -> bool:
+        """Whether `unpad` drops the padding on a device type: `auto` does on CPUs (fewer rows
+        is less time there) and wherever `varlen_attention` is groups or nested, which attend
+        the unpadded rows; on GPUs otherwise it keeps the padded grid: gathering and scattering
+        the rows cost more than the padding's FLOPs, 1.21x, 1.20x and 1.19x the unpadded step
+        at BERT-base L128 b256, BERT-large L128 b128 and BERT-large L512 b32 (H200, bf16, median
+        of 3 bench runs of new batches, 2026-11-27, docs/gpu.md)."""
+        if self.unpad != "auto":
+            return self.unpad
+        return device_type == "cpu" or self.varlen_attention in ("groups", "nested")
 
     def resolved_fused_qkv(self, device_type: str) -> bool:
         """Whether `fused_qkv` fuses on a device type: `auto` fuses on GPUs, where one wider

@@ -45,7 +45,7 @@ def check_pairs(impl: ModelImpl) -> None:
     """Refuse, in one line naming the pair and what to use instead, the switch pairs that
     cannot do what they say (every other pair of docs/model.md's matrix runs, equal to the
     plain path)."""
-    if not impl.unpad and impl.varlen_attention in ("groups", "nested"):
+    if impl.unpad is False and impl.varlen_attention in ("groups", "nested"):
         raise ValueError(
             f"impl.varlen_attention={impl.varlen_attention} with impl.unpad=false: attention "
             f"over real tokens needs the unpadded layout; set impl.unpad=true, or "
@@ -80,10 +80,12 @@ def describe(impl: ModelImpl, config: BertConfig | None, device_type: str, *,
         biased = attention_path(impl, device_type, score_bias=True, dropout=dropout)
         if biased != plain:
             runs = f"{_path_words(biased)} while the locality bias is on ({locality}), then {runs}"
+    unpadded = impl.resolved_unpad(device_type)
     parts = [
-        "unpadded" if impl.unpad else "padded",
+        ("unpadded" if unpadded else "padded")
+        + (f" (auto on {device_type})" if impl.unpad == "auto" else ""),
         f"varlen_attention={varlen}"
-        + (f" (auto on {device_type})" if impl.varlen_attention == "auto" and impl.unpad
+        + (f" (auto on {device_type})" if impl.varlen_attention == "auto" and unpadded
            else ""),
         f"attention={attention}" + (f" (auto on {device_type})" if impl.attention == "auto"
                                     else " (with dropout on cpu)" if attention != impl.attention
