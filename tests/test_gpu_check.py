@@ -100,6 +100,10 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| pretrained | " in summary and "Pretrained minus random init: " in summary
     assert "| pytest_default | ok |" in summary
+    # whether the suite still ran when the training started is timing; what the summary says
+    # of the training's rate must follow it
+    beside = results["stages"]["train"]["suite_beside_on_cpus"]
+    assert ("beside the default suite on" in summary) is (beside > 0), summary
 
 
 def test_a_spent_budget_leaves_the_rest_not_run(tmp_path):
