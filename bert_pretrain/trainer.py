@@ -363,15 +363,16 @@ class Trainer:
         self.masking_rate = self.stream.masking_rate(progress)
         batches = self.stream.next_step(progress)
         # The global batch's counts, known before any forward pass: the normalisers of its loss.
-        counts = torch.tensor([sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches),
-                               sum(int(b["next_sentence_label"].numel()) for b in batches)
-                               if nsp_on else 0,
-                               sum(int(b["num_tokens"]) for b in batches)],
-                              dtype=torch.float64, device=acc.device)
+        # (The batches are still on the host: one process needs no device round trip, which on
+        # a GPU would wait for the previous step's optimizer before launching this forward.)
+        counts = [float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)),
+                  float(sum(int(b["next_sentence_label"].numel()) for b in batches)
+                        if nsp_on else 0),
+                  float(sum(int(b["num_tokens"]) for b in batches))]
         if self.world > 1:
-            counts = acc.reduce(counts, reduction="sum")
-        num_mlm, num_nsp = max(counts[0].item(), 1.0), max(counts[1].item(), 1.0)
-        num_real = max(counts[2].item(), 1.0)
+            counts = acc.reduce(torch.tensor(counts, dtype=torch.float64, device=acc.device),
+                                reduction="sum").tolist()
+        num_mlm, num_nsp, num_real = (max(c, 1.0) for c in counts)
         sums = torch.zeros(4, dtype=torch.float64, device=acc.device)  # mlm, nsp, stop, rtd
         for j, batch in enumerate(batches):
             # (len(batches): this step's accumulation, the same on every process)
@@ -410,7 +411,7 @@ class Trainer:
                                  math.isfinite(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        num_tokens = int(counts[2].item())
+        num_tokens = int(counts[2])
         self.tokens_seen += num_tokens
         self._advance_clock()
         result = StepResult(mlm + nsp + rtd, mlm, nsp if nsp_on else None, num_tokens, grad_norm,
