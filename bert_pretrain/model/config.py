@@ -249,8 +249,8 @@ class ModelImpl:
         `groups` on CPUs, where they were 1.05-1.3x faster than the padded grid at batch 8-32
         (2 cores, docs/benchmarks.md), and `off` elsewhere: on an H100 the padded grid with
         SDPA's fused kernels was 6x faster than the groups (BERT-base b256 L128, 0.086 vs
-        0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` was not
-        measured on a GPU yet; bench/gpu_check.py does."""
+        0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` ran at
+        0.35-0.50x transformers on an H100 and an H200 (docs/gpu.md): not the default."""
         if not self.resolved_unpad(device_type):
             return "off"  # varlen needs the unpadded layout
         if self.varlen_attention != "auto":
