@@ -115,3 +115,18 @@ def test_test_cuda_without_a_gpu_fails_saying_nothing_ran(checkout, cuda):
     else:
         assert r.returncode != 0 and "-m pytest" not in calls
         assert "no GPU test ran (this is not a pass)" in r.stderr
+
+
+@pytest.mark.parametrize("target", ["test", "test-slow", "test-all"])
+def test_the_test_targets_run_in_test_workers_processes(checkout, target):
+    """CI's run is `make test` then `make test-slow`: both in 2 xdist processes by default (the
+    suite's time halves on 2 cores), TEST_WORKERS=N for another count, 0 for one process."""
+    make(checkout, "install-test")
+    pytest_call = [c for c in make(checkout, target) if c.startswith("python -m pytest")]
+    assert len(pytest_call) == 1 and " -n 2" in pytest_call[0]
+    pytest_call = [c for c in make(checkout, target, "TEST_WORKERS=4")
+                   if c.startswith("python -m pytest")]
+    assert " -n 4" in pytest_call[0]
+    pytest_call = [c for c in make(checkout, target, "TEST_WORKERS=0")
+                   if c.startswith("python -m pytest")]
+    assert " -n " not in pytest_call[0] and "-p no:xdist" in pytest_call[0]
