@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from typing import Iterator, Optional
 
@@ -252,6 +253,31 @@ def _run_pool(tasks: list, ctx: dict, workers: int, done) -> None:
 
 
 # ---- the pipeline ----------------------------------------------------------------------------
+def nsp_balance_warning(stats: dict, random_next_prob: float) -> Optional[str]:
+    """The warning for NSP pairs whose random-next share missed `random_next_prob` by more than
+    sampling explains, or None.  A pair from a document with nothing after its first chunk can
+    only be random; instances.py makes up for each with a true-next pair elsewhere, which a
+    corpus of mostly one-sentence documents (a table's rows) cannot supply (SST-2's rows with
+    IMDB reviews: 59% random), so the NSP task is then partly "is this a short document"."""
+    n, got = stats.get("num_instances", 0), stats.get("nsp_random_fraction")
+    if got is None or not n:
+        return None
+    p = random_next_prob
+    if abs(got - p) <= max(0.02, 4 * (p * (1 - p) / n) ** 0.5):
+        return None
+    return (f"bert-prep: warning: {got:.1%} of the NSP pairs are random-next, not the {p:.0%} "
+            f"asked (random_next_prob): too many documents have no second sentence to give a "
+            f"true next segment (each row of a table is a document). For one-sentence documents "
+            f"packing=full_sentences (MLM only, no NSP) suits; otherwise put more sentences in "
+            f"each document")
+
+
+def _warn_nsp_balance(stats: dict, cfg: PrepConfig) -> None:
+    note = nsp_balance_warning(stats, cfg.random_next_prob) if cfg.packing == "nsp_pairs" else None
+    if note:
+        print(note, file=sys.stderr, flush=True)
+
+
 def _versions() -> dict:
     import tokenizers
     try:
@@ -325,6 +351,7 @@ def _run(cfg: PrepConfig, out: str) -> Optional[dict]:
     if done is not None:
         columns = {s: done["splits"][s]["stats"] for s in SPLITS}
         print(stats_table({**columns, "all": done["stats"]}))
+        _warn_nsp_balance(done["stats"], cfg)
         print(f"bert-prep: {cfg.output_dir} is already complete; nothing to do")
         return done
     state = os.path.join(work, "config.json")
@@ -469,6 +496,7 @@ def _write_manifest(cfg, out, key, fingerprint, tok, counts, plans, timings) -> 
     # The statistics table is the run's report: always printed.
     print(stats_table({"train": per_split["train"], "validation": per_split["validation"],
                        "all": stats}))
+    _warn_nsp_balance(stats, cfg)
     short = "" if cfg.tokenizer.vocab_file or tok.vocab_size >= cfg.tokenizer.vocab_size else \
         f" of the {cfg.tokenizer.vocab_size:,} asked (see the warning above)"
     print(f"bert-prep: wrote {stats['num_instances']:,} instances to {cfg.output_dir}; "

@@ -119,6 +119,35 @@ def test_text_corpora_keep_nsp_pairs(prep_compose, tmp_path):
     assert m["packing"] == "nsp_pairs"
 
 
+def test_nsp_pairs_of_one_sentence_rows_warn_that_the_balance_is_off(prep_compose, tmp_path,
+                                                                    capfd):
+    """Asked for NSP pairs, a table of one-sentence rows can only pair most of them at random:
+    bert-prep says so (with the share and what to do) instead of writing a 60-80% random-next
+    set silently; documents of many sentences keep the asked 50% and no warning."""
+    rows = _rows(300, 3)
+    path = _write(tmp_path / "train.csv", rows, "csv")
+    m = _prep(prep_compose, tmp_path / "rows", f"corpus.paths=[{path}]",
+              "corpus.text_columns=[review]", "packing=nsp_pairs")
+    err = capfd.readouterr().err
+    got = m["stats"]["nsp_random_fraction"]
+    assert got > 0.6
+    said = [line for line in err.splitlines() if "random-next" in line]
+    assert len(said) == 1 and "packing=full_sentences" in said[0]
+    assert said[0].startswith(f"bert-prep: warning: {got:.1%} of the NSP pairs are random-next, "
+                              f"not the 50% asked")
+    # run again (already complete): the same warning, with the table
+    _prep(prep_compose, tmp_path / "rows", f"corpus.paths=[{path}]",
+          "corpus.text_columns=[review]", "packing=nsp_pairs")
+    assert "random-next, not the 50% asked" in capfd.readouterr().err
+    # the same sentences as documents of 10: the balance holds, nothing said
+    text = tmp_path / "docs.txt"
+    text.write_text("\n\n".join("\n".join(a for a, _, _ in rows[i:i + 10])
+                                for i in range(0, len(rows), 10)), encoding="utf-8")
+    m = _prep(prep_compose, tmp_path / "docs", f"corpus.paths=[{text}]", "corpus=text")
+    assert m["packing"] == "nsp_pairs" and abs(m["stats"]["nsp_random_fraction"] - 0.5) < 0.1
+    assert "random-next" not in capfd.readouterr().err
+
+
 def test_column_mistakes_are_one_line(prep_compose, tmp_path):
     csv_file = _write(tmp_path / "train.csv", _rows(10, 1), "csv")
     jsonl = _write(tmp_path / "train.jsonl", _rows(10, 1), "jsonl")
