@@ -15,9 +15,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
-# The test targets run pytest in this many processes (pytest-xdist): 2 halves a 2-core
-# machine's suite (26.5 -> 14.5 minutes for the default one, 60 -> 32 for the slow one, on a
-# 2-core CPU without bf16 units), and CI's whole run with it.  More than 2 is for machines with
+# The test targets run pytest in this many processes (pytest-xdist): 2 nearly halves a 2-core
+# machine's suite (a 2-core CPU without bf16 units, clean clones: the default suite 26.4 minutes
+# in one process, 14.4 in two; the whole of .ci/run 47 minutes in two, where CI's serial run
+# had taken 73 of its 90).  More than 2 is for machines with
 # the cores and memory for it (each worker imports torch and its tests start processes of their
 # own); 0 = one process, no xdist (a debugger, `pytest -x` ordering).
 TEST_WORKERS ?= 2
