@@ -46,7 +46,11 @@ def read_text(tsv: str, jsonl: str, share: float, seed: int) -> tuple:
     if jsonl:
         with open(jsonl) as f:
             for line in f:
-                review = json.loads(line)["sentence"].replace("<br />", " ")
+                row = json.loads(line)
+                if "sentence" not in row:
+                    sys.exit(f"simcse_pilot: a row of {jsonl} has no 'sentence' field "
+                             "(bench/imdb_corpus.py writes one)")
+                review = row["sentence"].replace("<br />", " ")
                 pieces += [p.strip() for p in review.split(". ") if 3 <= len(p.split()) <= 60]
     rng.shuffle(pieces)
     wanted = int(len(rows) * share / (1 - share)) if share < 1 else len(pieces)
@@ -72,6 +76,15 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if os.path.exists(a.out):
         sys.exit(f"simcse_pilot: {a.out} exists: name a new directory")
+    if not os.path.isfile(os.path.join(a.src, "config.json")):
+        sys.exit(f"simcse_pilot: {a.src} has no config.json: pass a transformers BERT directory "
+                 "(bert-export --head encoder <run> <dir>)")
+    for name in (a.tsv, a.jsonl):
+        if name and not os.path.isfile(name):
+            sys.exit(f"simcse_pilot: {name} not found")
+    if a.steps < 1 or a.batch < 2 or not 0 <= a.jsonl_share <= 1:
+        sys.exit("simcse_pilot: --steps must be >= 1, --batch >= 2 (the other sentences are the "
+                 "negatives), --jsonl_share in [0, 1]")
 
     import torch
     import torch.nn.functional as F

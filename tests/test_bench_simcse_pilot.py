@@ -69,3 +69,20 @@ def test_phase_trains_the_pooler_and_writes_a_model_bert_finetune_loads(tmp_path
     assert after.config.hidden_dropout_prob == 0.0  # the source's, not the phase's 0.1
     with pytest.raises(SystemExit, match="exists"):
         simcse_pilot.main([str(src), str(out), "--tsv", str(tsv)])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tsv", "missing.tsv"], "missing.tsv not found"),
+    (["--tsv", "{tsv}", "--steps", "0"], "--steps must be >= 1"),
+    (["--tsv", "{tsv}", "--jsonl", "{bad}"], "has no 'sentence' field"),
+])
+def test_bad_input_gets_one_line_saying_what_to_fix(tmp_path, args, message):
+    tsv, _ = _text_files(tmp_path)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "a film i liked"}) + "\n")
+    src = _tiny_encoder(tmp_path / "src")
+    args = [x.format(tsv=tsv, bad=bad) for x in args]
+    with pytest.raises(SystemExit, match=message):
+        simcse_pilot.main([str(src), str(tmp_path / "out"), *args])
+    with pytest.raises(SystemExit, match="no config.json"):
+        simcse_pilot.main([str(tmp_path), str(tmp_path / "out"), "--tsv", str(tsv)])
