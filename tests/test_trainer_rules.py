@@ -400,6 +400,65 @@ def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
             "nested tensors + sdpa,") in (run_dir / "train.log").read_text()
 
 
+def test_busy_machine_warning_counts_other_processes_threads_not_its_own():
+    """The count bert-train warns from sees a spinning process beside it, and not this
+    process's own spinning threads (which only show as busy because they are this run's)."""
+    import subprocess
+    import sys
+    import threading
+
+    from bert_pretrain.components.cpu_runtime import other_running_threads
+
+    if not os.path.exists("/proc/loadavg"):
+        pytest.skip("the runnable-thread count needs Linux's /proc")
+    stop = threading.Event()
+
+    def spin():  # this process's own busy thread: must not count as another process
+        while not stop.is_set():
+            pass
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    own = threading.Thread(target=spin, daemon=True)
+    own.start()
+    try:
+        # the child either runs or waits for a core: both are runnable, so >= 1 on any machine
+        assert other_running_threads(samples=9, interval=0.02) >= 1
+    finally:
+        spinner.kill()
+        spinner.wait()
+        stop.set()
+        own.join()
+
+
+def test_busy_machine_warning_says_what_to_do_and_stays_quiet_when_there_is_room(
+        tmp_path, synthetic, monkeypatch):
+    from bert_pretrain.components import cpu_runtime
+    from bert_pretrain.components.cpu_runtime import busy_machine_warning
+
+    assert busy_machine_warning(threads=2, cores=4, others=2) is None  # room for both
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    line = busy_machine_warning(threads=2, cores=2, others=1)
+    assert line.startswith("warning: 1 thread(s) of other processes were running as this run "
+                           "started, on a machine with 2 cores for this run's 2 threads")
+    assert "ACTIVE" not in line and "OMP_NUM_THREADS" in line
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert "several times slower with OMP_WAIT_POLICY=ACTIVE" in busy_machine_warning(
+        threads=2, cores=2, others=1)
+    # in the run's log, after the precision line, only when the count says busy (every core
+    # taken: busy on any machine); conftest turns the check off for the rest of the suite
+    from bert_pretrain.components.cpu_runtime import BUSY_CHECK_ENV
+
+    monkeypatch.delenv(BUSY_CHECK_ENV)
+    for others, warned in ((0, False), (os.cpu_count(), True)):
+        monkeypatch.setattr(cpu_runtime, "other_running_threads", lambda others=others: others)
+        run_dir = tmp_path / f"busy-{others}"
+        train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
+                              "trainer.checkpoint_every=1"))
+        log = (run_dir / "train.log").read_text()
+        assert (f"bert-train: warning: {os.cpu_count()} thread(s) of other processes were "
+                f"running" in log) == warned
+
+
 def test_resolve_precision_keeps_explicit_settings():
     from bert_pretrain.components.cpu_runtime import resolve_precision
 

@@ -42,6 +42,8 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 # Set to 1: treat this CPU as one without bf16 matrix instructions.
 NO_BF16_UNITS_ENV = "BERT_PRETRAIN_NO_BF16_UNITS"
+# Set to 0: no busy-machine check at start-up (a test suite whose own workers fill the cores).
+BUSY_CHECK_ENV = "BERT_PRETRAIN_BUSY_CHECK"
 
 
 _PASSIVE_BY_DEFAULT = False
@@ -64,6 +66,70 @@ def omp_wait_setting() -> str:
         return ("OMP_WAIT_POLICY=PASSIVE (the default; OMP_WAIT_POLICY=ACTIVE runs small models "
                 "~1.5x faster where nothing else uses the cores: docs/benchmarks.md)")
     return f"OMP_WAIT_POLICY={policy}"
+
+
+def other_running_threads(samples: int = 7, interval: float = 0.03) -> int | None:
+    """How many threads outside this process are running or waiting for a core now: the
+    kernel's count of runnable threads (/proc/loadavg) less this process's own, the median of a
+    few samples so one short wake-up does not count. None where /proc does not say (not Linux).
+
+    Why it matters: two compute jobs on the same cores slow each other far more than their
+    share, worst with spinning OpenMP threads (ACTIVE): a domain_mini pretraining fell from 2.07
+    to ~0.13 steps/s beside a 2-thread job (docs/benchmarks.md), and nothing in its log said so."""
+    import statistics
+    import time
+
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+        except (OSError, ValueError, IndexError):
+            return None
+        counts.append(max(0, running - _own_running_threads()))
+        if i + 1 < samples:
+            time.sleep(interval)
+    return int(statistics.median(counts))
+
+
+def _own_running_threads() -> int:
+    """This process's threads in state R (running or runnable); at least 1, the reader."""
+    own = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                # "pid (comm) S ...": the name may hold spaces and parentheses, the state
+                # follows the last ")"
+                if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                    own += 1
+        except (OSError, IndexError):
+            continue
+    return max(own, 1)
+
+
+def busy_machine_warning(threads: int, cores: int | None = None,
+                         others: int | None = None) -> str | None:
+    """A warning line when other threads already hold cores this run's `threads` need, else
+    None. `cores`/`others` default to this machine's (os.cpu_count(), other_running_threads())."""
+    cores = cores or os.cpu_count() or 1
+    if others is None:
+        if os.environ.get(BUSY_CHECK_ENV, "") == "0":
+            return None
+        others = other_running_threads()
+    if others is None or others + threads <= cores:
+        return None
+    spin = os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE"
+    return (f"warning: {others} thread(s) of other processes were running as this run started, "
+            f"on a machine with {cores} cores for this run's {threads} threads: the steps will "
+            f"be slower than on a quiet machine"
+            + (", several times slower with OMP_WAIT_POLICY=ACTIVE (spinning threads wait on "
+               "each other)" if spin else "")
+            + "; run it alone, or give it fewer threads (OMP_NUM_THREADS), for the speeds in "
+              "docs/benchmarks.md")
 
 
 def keep_freed_memory() -> bool:

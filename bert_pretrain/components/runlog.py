@@ -93,6 +93,13 @@ def start_lines(t) -> list:
                f"{', freed memory kept' if t.keeps_freed_memory else ''}"
                if t.accelerator.device.type == "cpu" else "")
     lines.append(f"bert-train: precision {t.precision.describe()} ({t.precision.reason}){threads}")
+    if t.accelerator.device.type == "cpu" and t.world == 1:
+        # One process only: with several on one machine, the siblings are this run's own.
+        from .cpu_runtime import busy_machine_warning
+
+        busy = busy_machine_warning(torch.get_num_threads())
+        if busy:
+            lines.append(f"bert-train: {busy}")
     impl = getattr(t.raw_model, "impl", None)  # (a benchmark may train another model class)
     if impl is not None:
         from ..model.paths import describe
