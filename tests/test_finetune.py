@@ -48,6 +48,22 @@ def test_fine_tuning_beats_the_majority_class_clearly(kind, run, tasks, tmp_path
         ["classifier.json", "config.json", "identity.json", "model.safetensors", "vocab.txt"])
 
 
+def test_a_busy_machine_is_said_at_the_start(run, tasks, tmp_path, monkeypatch, capsys,
+                                             one_thread):
+    """As bert-train: when other processes' threads hold the cores, the start says so, once;
+    on a quiet machine nothing. (conftest turns the check off for the rest of the suite.)"""
+    from bert_pretrain.components import cpu_runtime
+
+    monkeypatch.delenv(cpu_runtime.BUSY_CHECK_ENV)
+    for others, warned in ((0, False), (os.cpu_count(), True)):
+        monkeypatch.setattr(cpu_runtime, "other_running_threads", lambda others=others: others)
+        finetune_in_process([*tasks["sentence"], f"model={run}", *FAST, "recipe.epochs=1",
+                             f"out_dir={tmp_path / str(others)}"])
+        out = capsys.readouterr().out
+        assert out.count(f"bert-finetune: warning: {os.cpu_count()} thread(s) of other "
+                         f"processes were running") == int(warned), out
+
+
 def _weights(directory) -> dict:
     return load_file(os.path.join(directory, "model.safetensors"))
 

@@ -57,6 +57,15 @@ def finetune(s, config_yaml: str) -> dict:
             f"{cfg.hidden_size}, {s.init} weights); {len(s.recipe.lrs)} lr x "
             f"{len(s.recipe.seeds)} seed(s); {session.world} process(es), precision "
             f"{session.precision} ({session.precision_reason}); out_dir {s.out_dir}")
+        if session.world == 1 and session.accelerator.device.type == "cpu":
+            # as bert-train: other processes' threads on the cores slow every step
+            import torch
+
+            from ..components.cpu_runtime import busy_machine_warning
+
+            busy = busy_machine_warning(torch.get_num_threads())
+            if busy:
+                say(f"bert-finetune: {busy}")
         summary = run_grid(session, job, s.out_dir, say)
         say(f"bert-finetune: {describe_summary(summary)}")
         say(f"  results: {os.path.join(summary['out_dir'], 'finetune.json')}"
