@@ -153,10 +153,7 @@ def _fake_checkpoint(root, **model):
 
 
 def test_export_refuses_what_transformers_cannot_compute(tmp_path, monkeypatch):
-    pre_ln = _fake_checkpoint(str(tmp_path / "preln"), pre_layer_norm=True)
-    with pytest.raises(UserError, match="pre_layer_norm=true has no transformers equivalent"):
-        export(pre_ln, str(tmp_path / "o1"))
-    assert not os.path.exists(tmp_path / "o1")
+    # (pre-LN models export as RoBERTa-PreLayerNorm: tests/test_export_preln.py)
     relative = _fake_checkpoint(str(tmp_path / "rel"), position_embedding_type="relative_key")
     monkeypatch.setattr(export_mod, "_installed_transformers_major", lambda: 5)
     with pytest.raises(UserError, match=r"needs transformers < 5"):

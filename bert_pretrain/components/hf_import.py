@@ -1,5 +1,7 @@
 """Read a transformers BERT directory (what `save_pretrained` or `bert-export` writes) as our
-model: `trainer.init_from=<dir>` continues pretraining from it, `bert-predict` runs it.
+model: `trainer.init_from=<dir>` continues pretraining from it, `bert-predict` runs it. A pre-LN
+RoBERTa directory (`roberta-prelayernorm`, what bert-export writes for a pre-LN model) is read as
+our pre-LN model (`hf_prelayernorm`).
 
     config, state = read_hf_model("path/to/bert-dir")
     model = BertForPreTraining(BertConfig.from_dict(config))
@@ -31,6 +33,7 @@ from typing import Optional
 import torch
 
 from ..errors import CheckpointError, DataError
+from . import hf_prelayernorm
 
 CONFIG_FILE = "config.json"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -77,9 +80,16 @@ def read_hf_config(path: str) -> dict:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {file} ({exc}); pass a transformers BERT directory "
                               f"(config.json + model.safetensors)") from None
-    if raw.get("model_type", "bert") != "bert":
-        raise CheckpointError(f"{file} describes a {raw['model_type']!r} model; only BERT "
-                              f"(model_type 'bert') can be imported")
+    model_type = raw.get("model_type", "bert")
+    if model_type == hf_prelayernorm.MODEL_TYPE:
+        try:
+            raw, _ = hf_prelayernorm.from_hf(raw, {})
+        except ValueError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
+    elif model_type != "bert":
+        raise CheckpointError(f"{file} describes a {model_type!r} model; only BERT (model_type "
+                              f"'bert') and pre-LN RoBERTa ('{hf_prelayernorm.MODEL_TYPE}', what "
+                              f"bert-export writes for a pre-LN model) can be imported")
     for key, value in MUST_BE.items():
         if raw.get(key, value) != value:
             raise CheckpointError(f"{file}: {key}={raw[key]!r} is not supported (BERT encoders "
@@ -145,7 +155,12 @@ def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[b
     config = read_hf_config(path)
     if next_sentence_prediction is not None:
         config["next_sentence_prediction"] = next_sentence_prediction
-    tensors = _normalise_keys(_read_weights(path))
+    tensors = _read_weights(path)
+    with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+        raw = json.load(f)  # (read_hf_config checked it)
+    if raw.get("model_type") == hf_prelayernorm.MODEL_TYPE:
+        _, tensors = hf_prelayernorm.from_hf(raw, tensors)
+    tensors = _normalise_keys(tensors)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         reference = BertForPreTraining(BertConfig.from_dict(config)).state_dict()

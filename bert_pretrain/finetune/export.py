@@ -36,6 +36,11 @@ def hf_config(model, data) -> dict:
         raise UserError(f"a {model.pooling}-pooled classifier (recipe.pooling={model.pooling}) "
                         f"has no transformers equivalent (BertForSequenceClassification reads "
                         f"the pooled [CLS] vector); load it with load_classifier")
+    if model.config.pre_layer_norm:
+        # (bert-export writes a pre-LN encoder as RoBERTa-PreLayerNorm; a fine-tuned one is
+        # kept for load_classifier, not bridged to RoBERTa's classification head)
+        raise UserError("a pre-LN classifier has no transformers BertForSequenceClassification "
+                        "equivalent; load it with load_classifier")
     representable(model.config)
     names = data.label_names or [f"LABEL_{i}" for i in range(model.num_labels)]
     return {**model.config.to_hf_dict(), "architectures": ["BertForSequenceClassification"],

@@ -18,8 +18,15 @@ pipeline("fill-mask") load it without a report; the pooler and the NSP head are 
 `encoder` (encoder + pooler: BertModel; a sequence classifier on top reports only its new
 `classifier` as MISSING, which is what fine-tuning trains).
 
+A pre-LN model has no transformers BERT class; it is written as RoBERTa-PreLayerNorm
+(`components/hf_prelayernorm.py`), which computes the same thing: RobertaPreLayerNormForMaskedLM /
+AutoModelForMaskedLM / pipeline("fill-mask") for `pretraining` and `masked-lm`,
+RobertaPreLayerNormModel / AutoModel for `encoder` (and AutoModelForSequenceClassification with
+RoBERTa's classification head on top). It has no next-sentence head: a pre-LN model pretrained
+with NSP exports `--head masked-lm` or `--head encoder`.
+
 Models transformers cannot compute are refused rather than exported into something that loads
-silently as a different model: pre-LN (no transformers BERT has it) and, under transformers >= 5
+silently as a different model: pre-LN with relative positions and, under transformers >= 5
 (which dropped them), relative position embeddings.
 """
 
@@ -31,6 +38,7 @@ import sys
 import tempfile
 
 from ..cli_errors import fail
+from ..components import hf_prelayernorm
 from ..errors import UserError
 
 # transformers ties these to the word embeddings / `cls.predictions.bias` and does not save them.
@@ -52,15 +60,39 @@ def _installed_transformers_major():
 def representable(config) -> None:
     """Raise UserError (one line) when transformers cannot compute this model."""
     if config.pre_layer_norm:
-        raise UserError("model.pre_layer_norm=true has no transformers equivalent (no "
-                        "transformers version has a pre-LN BERT); run it with bert-predict, or "
-                        "train a post-LN model to export")
+        reason = hf_prelayernorm.why_not(config)
+        if reason:
+            raise UserError(reason)
+        return
     major = _installed_transformers_major()
     if config.position_embedding_type != "absolute" and major is not None and major >= 5:
         raise UserError(f"position_embedding_type={config.position_embedding_type} needs "
                         f"transformers < 5 (4.x computes relative positions; the installed "
                         f"{major}.x would load it silently as an absolute-position model): "
                         f"pip install 'transformers<5' and export again, or use bert-predict")
+
+
+def _prelayernorm_export(config, model, head: str, checkpoint_dir: str) -> tuple[dict, dict]:
+    """config.json and weights of a pre-LN model as RoBERTa-PreLayerNorm (module docstring)."""
+    if head == "pretraining" and config.next_sentence_prediction:
+        raise UserError(f"{checkpoint_dir} is a pre-LN model with a next-sentence head, which "
+                        f"transformers' pre-LN model (RoBERTa-PreLayerNorm) does not have: "
+                        f"export --head masked-lm (fill-mask, continued pretraining) or --head "
+                        f"encoder (fine-tuning)")
+    if head != "encoder" and config.hidden_act != "gelu":
+        raise UserError(f"{checkpoint_dir}: hidden_act={config.hidden_act} but "
+                        f"RoBERTa-PreLayerNorm's MLM head always applies GELU, so the MLM head "
+                        f"would compute something else: export --head encoder")
+    weights = hf_prelayernorm.to_hf_state(model.state_dict(), config)
+    prefix = hf_prelayernorm.PREFIX
+    if head == "encoder":  # RobertaPreLayerNormModel's own key names have no prefix
+        weights = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        architecture = hf_prelayernorm.ARCHITECTURES["encoder"]
+    else:  # the decoder is tied to the word embeddings and lm_head.bias: not saved
+        weights = {k: v for k, v in weights.items() if not k.startswith(
+            ("lm_head.decoder.", prefix + "pooler."))}
+        architecture = hf_prelayernorm.ARCHITECTURES["masked-lm"]
+    return {**hf_prelayernorm.hf_config(config), "architectures": [architecture]}, weights
 
 
 def export(source: str, out_dir: str, head: str = "pretraining") -> str:
@@ -90,16 +122,19 @@ def export(source: str, out_dir: str, head: str = "pretraining") -> str:
         raise UserError(f"{checkpoint_dir} was pretrained with an ELECTRA generator "
                         f"(model.generator_layers={config.generator_layers}): its MLM head is "
                         f"the generator's and does not fit the encoder; export --head encoder")
-    architecture, left_out = HEADS[head]
-    hf_config = {**config.to_hf_dict(), "architectures": [architecture]}
     model = BertForPreTraining(config)
     ckpt.load_weights(checkpoint_dir, model)
-    if head == "encoder":  # BertModel's own key names have no "bert." prefix
-        weights = {k[len("bert."):]: v for k, v in model.hf_state_dict().items()
-                   if k.startswith("bert.")}
+    if config.pre_layer_norm:
+        hf_config, weights = _prelayernorm_export(config, model, head, checkpoint_dir)
     else:
-        weights = {k: v for k, v in model.hf_state_dict().items()
-                   if k not in TIED_KEYS and not k.startswith(left_out)}
+        architecture, left_out = HEADS[head]
+        hf_config = {**config.to_hf_dict(), "architectures": [architecture]}
+        if head == "encoder":  # BertModel's own key names have no "bert." prefix
+            weights = {k[len("bert."):]: v for k, v in model.hf_state_dict().items()
+                       if k.startswith("bert.")}
+        else:
+            weights = {k: v for k, v in model.hf_state_dict().items()
+                       if k not in TIED_KEYS and not k.startswith(left_out)}
     tensors = {k: v.detach().contiguous().clone() for k, v in weights.items()}
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -154,6 +189,13 @@ def main(argv=None) -> None:
                               "BertForMaskedLM, AutoModel, AutoModelFor*)",
                "masked-lm": "BertForMaskedLM and pipeline('fill-mask')",
                "encoder": "AutoModel / BertModel and AutoModelForSequenceClassification"}
+    with open(os.path.join(args.out_dir, "config.json"), encoding="utf-8") as f:
+        if json.load(f).get("model_type") == hf_prelayernorm.MODEL_TYPE:
+            loaders = {"pretraining": "RobertaPreLayerNormForMaskedLM, AutoModelForMaskedLM and "
+                                      "pipeline('fill-mask'): pre-LN",
+                       "encoder": "AutoModel / RobertaPreLayerNormModel and "
+                                  "AutoModelForSequenceClassification: pre-LN"}
+            loaders["masked-lm"] = loaders["pretraining"]
     print(f"bert-export: exported {used} to {args.out_dir} (transformers loads it as "
           f"{loaders[args.head]})")
 
