@@ -207,6 +207,8 @@ def _regression(tmp_path, metric, *model):
     ("misspelt pooling", "recipe.pooling must be one of cls, mean, got 'men'"),
     ("layer decay above 1", "recipe.layer_lr_decay must be in (0, 1] (1 = one rate for every "
                             "layer), got 1.5"),
+    ("negative re-init", "recipe.reinit_layers must be >= 0, got -1"),
+    ("re-init past the layers", "recipe.reinit_layers=3 is more than the 2 encoder layers of "),
     ("a bert-train setting", "'data' is a bert-train setting (conf/train/), not a "
                              "bert-finetune one"),
     ("regression scored by accuracy", "task.metrics: accuracy scores classes; a regression "
@@ -241,6 +243,8 @@ def test_bert_finetune_mistakes_are_one_line(case, expected, run, tmp_path, monk
         "bad precision": lambda: ["trainer.mixed_precision=bf17", *model],
         "misspelt pooling": lambda: ["recipe.pooling=men", *model],
         "layer decay above 1": lambda: ["recipe.layer_lr_decay=1.5", *model],
+        "negative re-init": lambda: ["recipe.reinit_layers=-1", *model],
+        "re-init past the layers": lambda: ["recipe.reinit_layers=3", *model],
         "a bert-train setting": lambda: ["data.dir=prepared/x", *model],
         "regression scored by accuracy": lambda: _regression(tmp_path, "accuracy", *model),
         "regression scored by mcc": lambda: _regression(tmp_path, "mcc", *model),

@@ -111,6 +111,53 @@ def test_an_mlm_only_encoder_gets_a_fresh_pooler():
         BertForPreTraining(CFG).state_dict()) is True
 
 
+def _perturbed_pretraining(config):
+    """A pretraining model whose every tensor is moved off BERT's initialisation (LayerNorms
+    not 1/0, biases not 0), so a tensor put back to a fresh initialisation shows."""
+    torch.manual_seed(1)
+    pretrained = BertForPreTraining(config)
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return pretrained
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_reinit_top_layers_refreshes_those_layers_and_the_pooler_only(n, pre_ln):
+    """Zhang et al.'s re-initialisation: layers L-n..L-1 and the pooler get BERT's
+    initialisation (weights N(0, 0.02), zero biases, unit LayerNorms); the embeddings, the layers
+    below and a pre-LN encoder's final LayerNorm keep the pretrained values."""
+    config = dataclasses.replace(CFG, pre_layer_norm=pre_ln)
+    pretrained = _perturbed_pretraining(config)
+    torch.manual_seed(2)
+    model = BertForSequenceClassification(config, 2)
+    model.load_encoder(pretrained.state_dict())
+    model.reinit_top_layers(n)
+    fresh = tuple(f"encoder.layer.{i}." for i in range(CFG.num_hidden_layers - n,
+                                                      CFG.num_hidden_layers))
+    fresh += ("pooler.",) if n else ()
+    theirs = pretrained.bert.state_dict()
+    for name, tensor in model.bert.state_dict().items():
+        if not name.startswith(fresh):
+            assert torch.equal(tensor, theirs[name]), name
+        elif "LayerNorm.weight" in name:
+            assert torch.all(tensor == 1), name
+        elif name.endswith("bias"):
+            assert torch.all(tensor == 0), name
+        else:
+            assert tensor.std().item() == pytest.approx(CFG.initializer_range, rel=0.3), name
+            assert tensor.mean().abs().item() < 0.01, name
+    assert sum(name.startswith(fresh) for name in theirs) == (
+        0 if n == 0 else n * len([k for k in theirs if k.startswith("encoder.layer.0.")]) + 2)
+
+
+def test_reinit_top_layers_refuses_more_layers_than_the_encoder_has():
+    model = BertForSequenceClassification(CFG, 2)
+    with pytest.raises(ValueError, match="can re-initialise 0 to 2 layers of this encoder, got 3"):
+        model.reinit_top_layers(3)
+
+
 def test_bad_num_labels():
     with pytest.raises(ValueError, match="num_labels must be a positive integer"):
         BertForSequenceClassification(CFG, 0)

@@ -134,11 +134,42 @@ def test_other_settings_are_written_beside_and_the_same_settings_reuse(run, task
         str(tmp_path / "out-2")
     # an option's default is what results before the option were of: read back, not redone
     assert finetune_in_process([*base, "recipe.layer_lr_decay=1.0"])["grid"] == first["grid"]
+    assert finetune_in_process([*base, "recipe.reinit_layers=0"])["grid"] == first["grid"]
     # another precision rounds its own way: not the fp32 results read back under its name
     monkeypatch.undo()
     bf16 = finetune_in_process([*base, "trainer.mixed_precision=bf16"])
     assert bf16["out_dir"] == str(tmp_path / "out-3") and bf16["precision"] == "bf16"
     assert "(precision differ)" in capsys.readouterr().out
+
+
+def test_reinit_layers_reaches_the_pretrained_model_only_and_is_part_of_the_results(
+        run, task, tmp_path, monkeypatch, one_thread):
+    """recipe.reinit_layers=1: the pretrained classifier has its top layer re-initialised before
+    the first step (the random-init control has nothing to re-initialise), and its results are
+    not those of the recipe without it (written beside them)."""
+    from bert_pretrain.model import BertForSequenceClassification
+
+    calls = []
+    real = BertForSequenceClassification.reinit_top_layers
+
+    def recording(self, n):
+        before = {k: v.clone() for k, v in self.bert.encoder.layer[-1].state_dict().items()}
+        real(self, n)
+        after = self.bert.encoder.layer[-1].state_dict()
+        calls.append((n, any(not torch.equal(before[k], after[k]) for k in before)))
+
+    monkeypatch.setattr(BertForSequenceClassification, "reinit_top_layers", recording)
+    base = [*task, f"model={run}", *FAST, "recipe.epochs=1", f"out_dir={tmp_path / 'out'}"]
+    plain = finetune_in_process(base)
+    assert calls == [(0, False)]
+    calls.clear()
+    fresh = finetune_in_process([*base, "recipe.reinit_layers=1"])
+    assert calls == [(1, True)]
+    assert fresh["out_dir"] == str(tmp_path / "out-2") and fresh["grid"] != plain["grid"]
+    calls.clear()
+    finetune_in_process([*base, "init=random", "recipe.reinit_layers=1",
+                         f"out_dir={tmp_path / 'random'}"])
+    assert calls == []
 
 
 def test_a_mean_pooled_model_is_kept_for_this_project_only(run, task, tmp_path, capsys,

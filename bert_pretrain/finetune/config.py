@@ -51,6 +51,9 @@ class RecipeConfig:
     all (the BERT paper). Below 1 the pretrained lower layers move less than the fresh head:
     with 1,000 SST-2 labels 0.7 gave an in-domain BERT-mini +1.2 points and random init -1.6
     (docs/finetuning-results.md, "Layer-wise rate decay")."""
+    reinit_layers: int = 0
+    """Re-initialise the top N encoder layers (and the pooler) before fine-tuning, as Zhang et
+    al. 2021 do for small labelled sets; 0 = keep every pretrained layer (the BERT paper)."""
     max_length: int = 128
     """Tokens per example, [CLS] and [SEP]s included (pairs: the longer text is cut first)."""
     dropout: Optional[float] = 0.1
@@ -87,6 +90,8 @@ class RecipeConfig:
         if not 0.0 < self.layer_lr_decay <= 1.0:
             raise ValueError(f"recipe.layer_lr_decay must be in (0, 1] (1 = one rate for every "
                              f"layer), got {self.layer_lr_decay}")
+        if self.reinit_layers < 0:
+            raise ValueError(f"recipe.reinit_layers must be >= 0, got {self.reinit_layers}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError("recipe.max_grad_norm must be > 0 or null")
         if self.dropout is not None and not 0.0 <= self.dropout < 1.0:

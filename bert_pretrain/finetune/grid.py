@@ -33,6 +33,7 @@ import sys
 import time
 
 from ..command_record import write_record
+from ..errors import ConfigError
 from . import scoring
 from .batches import encode
 from .identity import claim, holds, read_identity
@@ -51,6 +52,10 @@ def run_name(lr: float, seed: int) -> str:
 def prepare_job(s, pretrained, config_yaml: str, say=print, *, precision: str) -> Job:
     """Read and tokenise the task for `pretrained`'s tokenizer; the identity of the results
     (`precision`: the session's resolved precision, which rounds the results its own way)."""
+    layers = pretrained.config.num_hidden_layers
+    if s.recipe.reinit_layers > layers:
+        raise ConfigError(f"recipe.reinit_layers={s.recipe.reinit_layers} is more than the "
+                          f"{layers} encoder layers of {pretrained.source}: use 0 to {layers}")
     data = read_task(s.task)
     tokenizer = pretrained.tokenizer()
     vocab = pretrained.config.vocab_size
@@ -70,7 +75,8 @@ def prepare_job(s, pretrained, config_yaml: str, say=print, *, precision: str) -
                            if k not in ("lrs", "seeds")
                            # the defaults of later options are what results
                            # before them were of
-                           and (k, v) not in (("pooling", "cls"), ("layer_lr_decay", 1.0))}}
+                           and (k, v) not in (("pooling", "cls"), ("layer_lr_decay", 1.0),
+                                              ("reinit_layers", 0))}}
     return Job(s, pretrained, data, train, evals, config_yaml, identity)
 
 

@@ -250,6 +250,7 @@ class FineTune:
                                               pooling=recipe.pooling)
         if job.settings.init == "pretrained":
             model.load_encoder(job.pretrained.encoder_state)
+            model.reinit_top_layers(recipe.reinit_layers)  # (drawn from the seed's stream)
         micro = self.tc.micro_batch_size or recipe.batch_size // session.world
         self.order = TrainOrder(len(job.train), self.seed, recipe.epochs, recipe.batch_size,
                                 micro, session.world, session.rank)

@@ -84,6 +84,25 @@ class BertForSequenceClassification(nn.Module):
             self.bert.load_state_dict(encoder, strict=True)  # raises, naming the keys
         return has_pooler
 
+    def reinit_top_layers(self, n: int) -> None:
+        """Give the top `n` encoder layers (and the pooler, when there is one) BERT's fresh
+        initialisation again, after `load_encoder`: Zhang et al. 2021 ("Revisiting Few-sample
+        BERT Fine-tuning") find the top layers' pretrained weights specialised to the
+        pretraining task and a poor start for a small labelled set. A pre-LN encoder's final
+        LayerNorm is kept (it is not a layer's)."""
+        layers = self.bert.encoder.layer
+        if not 0 <= n <= len(layers):
+            raise ValueError(f"can re-initialise 0 to {len(layers)} layers of this encoder, "
+                             f"got {n}")
+        if n == 0:
+            return
+        fresh = [*layers[len(layers) - n:]]
+        if self.bert.pooler is not None:
+            fresh.append(self.bert.pooler)
+        for part in fresh:
+            for module in part.modules():
+                init_bert_weights(module, self.config.initializer_range)
+
     def hf_state_dict(self) -> dict:
         """transformers' key set (see BertForPreTraining.hf_state_dict)."""
         return add_unused_position_table(self.state_dict(), self.config)
