@@ -60,8 +60,15 @@ def test_masked_lm_and_encoder_exports_compute_what_our_model_computes(preln_run
                                        rtol=1e-5)
             enc = transformers.AutoModel.from_pretrained(enc_dir).eval()
             assert type(enc).__name__ == "RobertaPreLayerNormModel"
-            c = enc(input_ids=ids, attention_mask=mask, token_type_ids=types)
-            ours_enc = ours.bert(ids, mask, types)
+            c = enc(input_ids=ids, attention_mask=mask, token_type_ids=types,
+                    output_hidden_states=True)
+            ours_enc = ours.bert(ids, mask, types, output_hidden_states=True)
+            # every layer's output as transformers gives it: the last one is last_hidden_state,
+            # after the final LayerNorm (transformers 5 ties the two)
+            assert len(c.hidden_states) == len(ours_enc.hidden_states) == \
+                ours.config.num_hidden_layers + 1
+            for theirs, mine in zip(c.hidden_states, ours_enc.hidden_states):
+                torch.testing.assert_close(theirs[keep], mine[keep], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(c.last_hidden_state[keep],
                                        ours_enc.layout.to_grid(ours_enc.sequence_output)[keep],
                                        atol=1e-5, rtol=1e-5)
@@ -176,3 +183,63 @@ def test_key_names_map_both_ways():
         "roberta_prelayernorm.encoder.layer.1.intermediate.LayerNorm.bias"
     assert hf_prelayernorm.to_hf_key("bert.encoder.LayerNorm.weight") == \
         "roberta_prelayernorm.LayerNorm.weight"
+
+
+def test_a_fine_tuned_pre_ln_classifier_loads_in_transformers_with_the_same_logits(tmp_path,
+                                                                                   one_thread):
+    """bert-finetune on a pre-LN encoder keeps a model that transformers loads as
+    RoBERTa-PreLayerNorm's ForSequenceClassification (our pooler is its head's dense, our
+    classifier its out_proj), with its labels' names, no load report, and the logits of our
+    model (pairs, padding, token types) on the whole dev set; load_classifier reads the
+    directory back as the model that scored what the grid reported."""
+    import logging
+
+    import numpy as np
+
+    from bert_pretrain.finetune.batches import collate, encode
+    from bert_pretrain.finetune.export import load_classifier
+    from bert_pretrain.finetune.pretrained import load_pretrained
+    from bert_pretrain.finetune.reading import read_task
+    from bert_pretrain.finetune.tasks import TaskConfig
+    from finetune_support import FAST, finetune_in_process, pair_task
+    from train_support import write_prepared
+
+    prepared = write_prepared(str(tmp_path / "prep"), num_train=64, num_valid=8)
+    run = str(tmp_path / "run")
+    train_in_process(["experiment=smoke", f"data.dir={prepared}", f"run_dir={run}",
+                      "trainer.max_steps=20", "trainer.eval_every=0",
+                      "model.pre_layer_norm=true", "model.hidden_act=gelu"])
+    task = pair_task(str(tmp_path / "task"))
+    summary = finetune_in_process([*task, f"model={run}", *FAST, "recipe.epochs=2",
+                                   f"out_dir={tmp_path / 'out'}"])
+    model_dir = str(tmp_path / "out" / "model")
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    assert config["model_type"] == "roberta-prelayernorm"
+    assert config["architectures"] == ["RobertaPreLayerNormForSequenceClassification"]
+    assert config["id2label"] == {"0": "other", "1": "first"}
+
+    cfg = {o.split("=", 1)[0].split(".")[-1]: o.split("=", 1)[1] for o in task[1:]}
+    dev = read_task(TaskConfig(name="custom", train_file=cfg["train_file"],
+                               validation_file=cfg["validation_file"],
+                               text_columns=["premise", "hypothesis"], label_column="relation",
+                               label_names=["other", "first"])).evals[""]
+    encoded = encode(dev, load_pretrained(run).tokenizer(), 32, 10 ** 6, "dev")
+    batch = collate(encoded, np.arange(len(dev)))
+    ours = load_classifier(model_dir)
+    messages, handler = _load_reports()
+    try:
+        theirs = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert type(theirs).__name__ == "RobertaPreLayerNormForSequenceClassification"
+    assert not [m for m in messages if "UNEXPECTED" in m or "MISSING" in m], messages
+    assert bool((batch["attention_mask"] == 0).any()) and bool(batch["token_type_ids"].any())
+    with torch.no_grad():
+        a = ours(**batch).logits
+        b = theirs.eval()(**batch).logits
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    accuracy = float((a.argmax(-1).numpy() == dev.labels).mean())
+    assert accuracy == pytest.approx(summary["metrics"]["accuracy"], abs=1e-9)
+    label = transformers.pipeline("text-classification", model=model_dir)("w1 w0 w2")[0]["label"]
+    assert label in ("other", "first")

@@ -26,7 +26,8 @@ import torch
 MODEL_TYPE = "roberta-prelayernorm"
 PREFIX = "roberta_prelayernorm."
 ARCHITECTURES = {"masked-lm": "RobertaPreLayerNormForMaskedLM",
-                 "encoder": "RobertaPreLayerNormModel"}
+                 "encoder": "RobertaPreLayerNormModel",
+                 "sequence-classification": "RobertaPreLayerNormForSequenceClassification"}
 
 # Inside encoder.layer.N: ours -> transformers (the attention one first: "output.LayerNorm."
 # is also the tail of "attention.output.LayerNorm.").
@@ -36,6 +37,11 @@ _HEAD_NAMES = {"cls.predictions.transform.dense.": "lm_head.dense.",
                "cls.predictions.transform.LayerNorm.": "lm_head.layer_norm.",
                "cls.predictions.decoder.": "lm_head.decoder.",
                "cls.predictions.bias": "lm_head.bias"}
+# A fine-tuned [CLS] classifier (ours: pooler dense + tanh on the first token, dropout, linear)
+# is RoBERTa's classification head (dense + tanh on the first token, dropout, out_proj); RoBERTa
+# also drops out in front of its dense, which changes nothing in eval.
+_CLASSIFIER_NAMES = (("bert.pooler.dense.", "classifier.dense."),
+                     ("classifier.", "classifier.out_proj."))
 _LAYER = re.compile(r"(encoder\.layer\.\d+\.)(.*)")
 POSITIONS = "embeddings.position_embeddings.weight"
 
@@ -151,10 +157,46 @@ def from_hf(raw: dict, tensors: dict) -> tuple[dict, dict]:
     values["max_position_embeddings"] = raw["max_position_embeddings"] - offset
     values["pre_layer_norm"] = True
     values["next_sentence_prediction"] = False  # RoBERTa has no NSP head
+    return values, _tensors_from_hf(tensors, offset)
+
+
+def _tensors_from_hf(tensors: dict, offset: int) -> dict:
     out = {}
     for key, value in tensors.items():
         ours = from_hf_key(key)
         if ours == "bert." + POSITIONS and isinstance(value, torch.Tensor):
             value = value[offset:]
         out[ours] = value
-    return values, out
+    return out
+
+
+def classifier_to_hf_state(state: dict, config) -> dict:
+    """A fine-tuned [CLS] classifier's state dict (ours) -> RoBERTa-PreLayerNorm's
+    ForSequenceClassification (its encoder has no pooler: ours is its head's dense)."""
+    head, encoder = _split_head(state, _CLASSIFIER_NAMES)
+    return {**to_hf_state(encoder, config), **head}
+
+
+def is_hf_classifier_state(tensors: dict) -> bool:
+    """Whether a fine-tuned classifier's weights are in RoBERTa-PreLayerNorm's names."""
+    return any(k.startswith(PREFIX) for k in tensors)
+
+
+def classifier_from_hf_state(tensors: dict, pad_token_id: int) -> dict:
+    """The inverse of classifier_to_hf_state."""
+    head, encoder = _split_head(tensors, [(theirs, ours) for ours, theirs in _CLASSIFIER_NAMES])
+    return {**_tensors_from_hf(encoder, position_offset(pad_token_id)), **head}
+
+
+def _split_head(state: dict, names) -> tuple[dict, dict]:
+    """(the classification head's tensors renamed old -> new by the first (old, new) prefix
+    that fits, every other tensor as it is)."""
+    head, rest = {}, {}
+    for key, value in state.items():
+        for old, new in names:
+            if key.startswith(old):
+                head[new + key[len(old):]] = value
+                break
+        else:
+            rest[key] = value
+    return head, rest

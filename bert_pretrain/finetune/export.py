@@ -1,9 +1,10 @@
 """A fine-tuned model as a directory that transformers' BertForSequenceClassification (and
 AutoModelForSequenceClassification, AutoTokenizer) loads with no code from this project:
 config.json (num_labels, id2label, problem_type), model.safetensors in transformers' key names,
-the tokenizer files; plus classifier.json, from which `load_classifier` rebuilds OUR model
-(also for pre-LN and, under transformers >= 5, relative-position encoders, which transformers
-cannot compute, and for a mean-pooled head, which it does not have: their directory has no
+the tokenizer files; a pre-LN one as RoBERTa-PreLayerNorm's ForSequenceClassification, as
+bert-export writes a pre-LN encoder (hf_prelayernorm). Plus classifier.json, from which
+`load_classifier` rebuilds OUR model (also for relative-position encoders, which transformers
+5 cannot compute, and for a mean-pooled head, which it does not have: their directory has no
 config.json, so nothing loads them as something else),
 and identity.json: which fine-tune it is (identity.py).
 
@@ -22,6 +23,7 @@ import os
 import shutil
 import tempfile
 
+from ..components import hf_prelayernorm
 from ..errors import CheckpointError, UserError
 
 CLASSIFIER_JSON = "classifier.json"
@@ -36,15 +38,14 @@ def hf_config(model, data) -> dict:
         raise UserError(f"a {model.pooling}-pooled classifier (recipe.pooling={model.pooling}) "
                         f"has no transformers equivalent (BertForSequenceClassification reads "
                         f"the pooled [CLS] vector); load it with load_classifier")
-    if model.config.pre_layer_norm:
-        # (bert-export writes a pre-LN encoder as RoBERTa-PreLayerNorm; a fine-tuned one is
-        # kept for load_classifier, not bridged to RoBERTa's classification head)
-        raise UserError("a pre-LN classifier has no transformers BertForSequenceClassification "
-                        "equivalent; load it with load_classifier")
     representable(model.config)
+    if model.config.pre_layer_norm:  # as bert-export writes a pre-LN encoder
+        base = {**hf_prelayernorm.hf_config(model.config),
+                "architectures": [hf_prelayernorm.ARCHITECTURES["sequence-classification"]]}
+    else:
+        base = {**model.config.to_hf_dict(), "architectures": ["BertForSequenceClassification"]}
     names = data.label_names or [f"LABEL_{i}" for i in range(model.num_labels)]
-    return {**model.config.to_hf_dict(), "architectures": ["BertForSequenceClassification"],
-            "num_labels": model.num_labels,
+    return {**base, "num_labels": model.num_labels,
             "id2label": {str(i): n for i, n in enumerate(names)},
             "label2id": {n: i for i, n in enumerate(names)},
             "problem_type": "regression" if model.num_labels == 1
@@ -66,8 +67,10 @@ def save_classifier(model, data, pretrained, out_dir: str, identity: dict) -> bo
         config = hf_config(model, data)
     except UserError:
         config = None
-    tensors = {k: v.detach().float().contiguous().cpu().clone()
-               for k, v in model.hf_state_dict().items()}
+    state = model.hf_state_dict()
+    if config is not None and model.config.pre_layer_norm:
+        state = hf_prelayernorm.classifier_to_hf_state(model.state_dict(), model.config)
+    tensors = {k: v.detach().float().contiguous().cpu().clone() for k, v in state.items()}
     ours = {"model_config": model.config.to_dict(), "num_labels": model.num_labels,
             "label_names": data.label_names, "task": data.name, "title": data.title,
             "metrics": list(data.metrics), "pooling": model.pooling, "lr": identity.get("lr"),
@@ -144,7 +147,10 @@ def load_classifier(path: str):
         model = BertForSequenceClassification(BertConfig.from_dict(ours["model_config"]),
                                               int(ours["num_labels"]),
                                               pooling=ours.get("pooling", "cls"))
-        model.load_state_dict(load_file(os.path.join(path, "model.safetensors")), strict=True)
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        if model.config.pre_layer_norm and hf_prelayernorm.is_hf_classifier_state(tensors):
+            tensors = hf_prelayernorm.classifier_from_hf_state(tensors, model.config.pad_token_id)
+        model.load_state_dict(tensors, strict=True)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise CheckpointError(f"cannot load the fine-tuned model in {path} "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
