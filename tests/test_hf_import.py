@@ -124,6 +124,16 @@ def test_unsupported_configs_are_one_line_errors(tmp_path, change, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_config_that_is_not_a_json_object_is_a_one_line_error(tmp_path):
+    _, path = _save(tmp_path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump([TINY], f)
+    with pytest.raises(CheckpointError, match="config.json is not a JSON object; pass a "
+                                              "transformers BERT directory") as info:
+        read_hf_model(path)
+    assert "\n" not in str(info.value)
+
+
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(CheckpointError, match="not a transformers model directory"):
         read_hf_model(str(tmp_path))

@@ -71,15 +71,23 @@ def is_hf_model_dir(path: str) -> bool:
 def read_hf_config(path: str) -> dict:
     """config.json -> a `BertConfig.from_dict`-compatible dict; one-line CheckpointError when the
     model is not a BERT encoder we can compute exactly."""
+    return _read_hf_config(path)[0]
+
+
+def _read_hf_config(path: str) -> tuple[dict, dict]:
+    """(read_hf_config's dict, config.json as written)."""
     from ..model import BertConfig
 
     file = os.path.join(path, CONFIG_FILE)
     try:
         with open(file, encoding="utf-8") as f:
-            raw = json.load(f)
+            written = raw = json.load(f)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {file} ({exc}); pass a transformers BERT directory "
                               f"(config.json + model.safetensors)") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} is not a JSON object; pass a transformers BERT directory "
+                              f"(config.json + model.safetensors)")
     model_type = raw.get("model_type", "bert")
     if model_type == hf_prelayernorm.MODEL_TYPE:
         try:
@@ -105,7 +113,7 @@ def read_hf_config(path: str) -> dict:
         BertConfig.from_dict(config)
     except ValueError as exc:
         raise CheckpointError(f"{file}: {exc}") from None
-    return config
+    return config, written
 
 
 def _read_weights(path: str) -> dict:
@@ -152,12 +160,10 @@ def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[b
     if not is_hf_model_dir(path):
         raise CheckpointError(f"{path} is not a transformers model directory (config.json + "
                               f"model.safetensors or pytorch_model.bin)")
-    config = read_hf_config(path)
+    config, raw = _read_hf_config(path)
     if next_sentence_prediction is not None:
         config["next_sentence_prediction"] = next_sentence_prediction
     tensors = _read_weights(path)
-    with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
-        raw = json.load(f)  # (read_hf_config checked it)
     if raw.get("model_type") == hf_prelayernorm.MODEL_TYPE:
         _, tensors = hf_prelayernorm.from_hf(raw, tensors)
     tensors = _normalise_keys(tensors)
