@@ -165,8 +165,8 @@ def write_glue_task(root: str, task: str, n_train: int = 64, n_dev: int = 32) ->
         for a, b, y in examples:
             if spec.num_labels == 1:
                 label = f"{5.0 * y:.1f}" if y else f"{random.Random(a).uniform(0, 2):.2f}"
-            elif spec.tsv_label_names:
-                label = spec.tsv_label_names[y % spec.num_labels]
+            elif spec.tsv_labels_are_words:
+                label = spec.label_names[y % spec.num_labels]
             else:
                 label = str(y)
             rows.append(_glue_row(task, a, b, label))

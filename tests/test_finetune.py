@@ -238,6 +238,23 @@ def test_export_loads_in_transformers_with_the_same_logits(run, tasks, tmp_path,
     assert not torch.allclose(a[0], a[1])  # the fine-tuned head tells the two apart
 
 
+def test_a_glue_classifier_says_glues_label_names_in_transformers(run, tmp_path, one_thread):
+    """SST-2's TSV files write its labels as 0 / 1: the kept model still says negative /
+    positive (the hub's names), not LABEL_0 / LABEL_1, in config.json and in a pipeline."""
+    transformers = pytest.importorskip("transformers")
+    from finetune_support import write_glue_task
+
+    folder = write_glue_task(str(tmp_path / "glue"), "sst2", n_train=64, n_dev=16)
+    finetune_in_process(["task=sst2", f"data_dir={folder}", f"model={run}", *FAST,
+                         "recipe.epochs=1", f"out_dir={tmp_path / 'out'}"])
+    model_dir = str(tmp_path / "out" / "model")
+    config = json.loads(open(os.path.join(model_dir, "config.json")).read())
+    assert config["id2label"] == {"0": "negative", "1": "positive"}
+    assert config["label2id"] == {"negative": 0, "positive": 1}
+    classify = transformers.pipeline("text-classification", model=model_dir)
+    assert {r["label"] for r in classify(["w0 w3 w5", "w7 w8"])} <= {"negative", "positive"}
+
+
 def test_regression_exports_as_regression(run, tmp_path, one_thread):
     transformers = pytest.importorskip("transformers")
     from finetune_support import sentence_examples, write_csv

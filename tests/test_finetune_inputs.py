@@ -22,6 +22,16 @@ from time_limits import hang_limit
 from train_support import CHILD_PYTHONPATH, REPO
 
 
+# The names of the hub's ClassLabel features (nyu-mll/glue), in id order: what the ids of GLUE's
+# files mean. A kept classifier's config.json says them (id2label).
+HUB_LABEL_NAMES = {
+    "cola": ["unacceptable", "acceptable"], "sst2": ["negative", "positive"],
+    "mrpc": ["not_equivalent", "equivalent"], "stsb": None,
+    "qqp": ["not_duplicate", "duplicate"], "mnli": ["entailment", "neutral", "contradiction"],
+    "qnli": ["entailment", "not_entailment"], "rte": ["entailment", "not_entailment"],
+    "wnli": ["not_entailment", "entailment"]}
+
+
 @pytest.mark.parametrize("task", sorted(GLUE_TASKS))
 def test_glue_tsv_files_read_as_glue_writes_them(task, tmp_path):
     spec = GLUE_TASKS[task]
@@ -34,6 +44,7 @@ def test_glue_tsv_files_read_as_glue_writes_them(task, tmp_path):
         assert sorted(data.evals) == sorted(e.key for e in spec.evals)
         assert (data.train.text_b is None) == (len(spec.hub_columns) == 1)
         assert data.num_labels == spec.num_labels and data.metrics == spec.metrics
+        assert data.label_names == HUB_LABEL_NAMES[task]
     if spec.num_labels == 1:
         assert data.train.labels.dtype == np.float32 and data.train.labels.max() == 5.0
     else:
@@ -113,6 +124,14 @@ def test_save_to_disk_folder(tmp_path):
     data = read_task(TaskConfig(name="rte", data_dir=str(tmp_path / "rte")))
     assert len(data.train) == 20 and len(data.evals[""]) == 10
     assert data.train.text_b[3] == rows[3][1] and data.train.labels[3] == 1 - rows[3][2]
+    assert data.label_names == ["entailment", "not_entailment"]  # plain ids: GLUE's names
+    # a copy whose ClassLabel numbers the classes the other way round keeps its own meaning
+    own = datasets.ClassLabel(names=["not_entailment", "entailment"])
+    datasets.load_from_disk(str(tmp_path / "rte")).cast_column("label", own).save_to_disk(
+        str(tmp_path / "rte2"))
+    data = read_task(TaskConfig(name="rte", data_dir=str(tmp_path / "rte2")))
+    assert data.label_names == ["not_entailment", "entailment"]
+    assert data.train.labels[3] == 1 - rows[3][2]
 
 
 def test_no_network_is_one_line_that_says_what_to_do(monkeypatch):

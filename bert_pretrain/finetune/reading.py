@@ -76,19 +76,20 @@ def read_task(cfg: TaskConfig) -> TaskData:
 def _read_glue(cfg: TaskConfig) -> TaskData:
     task = cfg.glue
     where = cfg.data_dir
+    names = list(task.label_names) or None
     if where is None:
-        splits, source = _from_hub(task), f"{HUB_DATASET}/{task.name} (hub)"
+        (splits, names), source = _from_hub(task), f"{HUB_DATASET}/{task.name} (hub)"
     else:
         folder = _task_folder(where, task)
         if os.path.isfile(os.path.join(folder, "dataset_dict.json")):
-            splits, source = _from_disk(folder, task), folder
+            (splits, names), source = _from_disk(folder, task), folder
         else:
             splits = {s: _read_glue_tsv(os.path.join(folder, f), task)
                       for s, f in [("train", "train.tsv")] + [(e.key, e.tsv) for e in task.evals]}
             source = folder
     evals = {e.key: splits[e.key] for e in task.evals}
     return TaskData(task.name, task.title, splits["train"], evals, task.num_labels,
-                    task.metrics, None, source)
+                    task.metrics, names, source)
 
 
 def _task_folder(where: str, task: GlueTask) -> str:
@@ -106,7 +107,7 @@ def _task_folder(where: str, task: GlueTask) -> str:
                     f"(dataset_dict.json), nor a {task.title}/ or {task.name}/ folder with them")
 
 
-def _from_hub(task: GlueTask) -> dict:
+def _from_hub(task: GlueTask) -> tuple:
     import logging
 
     import datasets
@@ -127,7 +128,7 @@ def _from_hub(task: GlueTask) -> dict:
     return _dataset_splits(ds, task, f"{HUB_DATASET}/{task.name}")
 
 
-def _from_disk(folder: str, task: GlueTask) -> dict:
+def _from_disk(folder: str, task: GlueTask) -> tuple:
     import datasets
 
     try:
@@ -139,8 +140,10 @@ def _from_disk(folder: str, task: GlueTask) -> dict:
     return _dataset_splits(ds, task, folder)
 
 
-def _dataset_splits(ds, task: GlueTask, source: str) -> dict:
-    out = {}
+def _dataset_splits(ds, task: GlueTask, source: str) -> tuple:
+    """({split key: Examples}, the label names): a copy's own ClassLabel names say what its
+    ids mean (a copy that numbers the classes otherwise keeps its meaning); GLUE's without."""
+    out, names = {}, list(task.label_names) or None
     for key, split in [("train", "train")] + [(e.key, e.hub) for e in task.evals]:
         if split not in ds:
             raise DataError(f"{source} has no {split!r} split (it has {sorted(ds)})")
@@ -154,7 +157,10 @@ def _dataset_splits(ds, task: GlueTask, source: str) -> dict:
         labels = np.asarray(part["label"], dtype=dtype)
         _check_range(labels, task.num_labels, f"{source} split {split!r}")
         out[key] = Examples(texts[0], texts[1] if len(texts) == 2 else None, labels)
-    return out
+        own = getattr(part.features["label"], "names", None)
+        if key == "train" and own and len(own) == task.num_labels:
+            names = [str(n) for n in own]
+    return out, names
 
 
 def _read_glue_tsv(path: str, task: GlueTask) -> Examples:
@@ -180,7 +186,8 @@ def _read_glue_tsv(path: str, task: GlueTask) -> Examples:
     if not kept:
         raise DataError(f"{path} has no examples")
     texts = [[r[c] for _, r in kept] for c in columns[:-1]]
-    labels = [_label(r[columns[-1]], task.num_labels, task.tsv_label_names, path, n)
+    words = task.label_names if task.tsv_labels_are_words else None
+    labels = [_label(r[columns[-1]], task.num_labels, words, path, n)
               for n, r in kept]
     return Examples(texts[0], texts[1] if len(texts) == 2 else None,
                     np.asarray(labels, dtype=np.float32 if task.num_labels == 1 else np.int64))

@@ -38,31 +38,38 @@ class GlueTask:
     num_labels: int
     """1: regression (STS-B's 0-5 similarity)."""
     metrics: Tuple[str, ...]
-    tsv_label_names: Optional[Tuple[str, ...]] = None
-    """Labels written as words in the TSV files, in the hub's id order."""
+    label_names: Tuple[str, ...] = ()
+    """The classes' names in the hub's id order (its ClassLabel feature; none for STS-B's
+    score): what a kept classifier's config.json says instead of LABEL_0, LABEL_1, ..."""
+    tsv_labels_are_words: bool = False
+    """Whether the TSV files write labels as those names (MNLI, QNLI, RTE) or as ids."""
     tsv_header: bool = True
     evals: Tuple[EvalSplit, ...] = (EvalSplit("", "validation", "dev.tsv"),)
 
 
 GLUE_TASKS = {t.name: t for t in (
-    GlueTask("cola", "CoLA", ("sentence",), ("3",), "1", 2, ("mcc",), tsv_header=False),
-    GlueTask("sst2", "SST-2", ("sentence",), ("sentence",), "label", 2, ("accuracy",)),
+    GlueTask("cola", "CoLA", ("sentence",), ("3",), "1", 2, ("mcc",),
+             ("unacceptable", "acceptable"), tsv_header=False),
+    GlueTask("sst2", "SST-2", ("sentence",), ("sentence",), "label", 2, ("accuracy",),
+             ("negative", "positive")),
     GlueTask("mrpc", "MRPC", ("sentence1", "sentence2"), ("#1 String", "#2 String"), "Quality",
-             2, ("f1", "accuracy")),
+             2, ("f1", "accuracy"), ("not_equivalent", "equivalent")),
     GlueTask("stsb", "STS-B", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "score",
              1, ("pearson", "spearman")),
     GlueTask("qqp", "QQP", ("question1", "question2"), ("question1", "question2"),
-             "is_duplicate", 2, ("f1", "accuracy")),
+             "is_duplicate", 2, ("f1", "accuracy"), ("not_duplicate", "duplicate")),
     GlueTask("mnli", "MNLI", ("premise", "hypothesis"), ("sentence1", "sentence2"),
              "gold_label", 3, ("accuracy",), ("entailment", "neutral", "contradiction"),
+             tsv_labels_are_words=True,
              evals=(EvalSplit("m", "validation_matched", "dev_matched.tsv"),
                     EvalSplit("mm", "validation_mismatched", "dev_mismatched.tsv"))),
     GlueTask("qnli", "QNLI", ("question", "sentence"), ("question", "sentence"), "label", 2,
-             ("accuracy",), ("entailment", "not_entailment")),
+             ("accuracy",), ("entailment", "not_entailment"), tsv_labels_are_words=True),
     GlueTask("rte", "RTE", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "label", 2,
-             ("accuracy",), ("entailment", "not_entailment")),
+             ("accuracy",), ("entailment", "not_entailment"), tsv_labels_are_words=True),
+    # (WNLI's ids run the other way round from RTE's and QNLI's: 1 is entailment)
     GlueTask("wnli", "WNLI", ("sentence1", "sentence2"), ("sentence1", "sentence2"), "label", 2,
-             ("accuracy",)),
+             ("accuracy",), ("not_entailment", "entailment")),
 )}
 # The order of the BERT paper's GLUE table (Devlin et al. 2019, Table 1), WNLI last: GLUE's
 # average leaves it out, as the paper and every anchor since did (its dev set is adversarial).
