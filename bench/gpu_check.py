@@ -16,8 +16,9 @@ H100); a stage that no longer fits is listed as not run:
                      twentieth of that;
                      tokens/s against the bench's step rate at the same shape
   4. glue            with --glue DIR (GLUE's SST-2/ folder): bert-finetune on SST-2 (8,000
-                     sentences) for the trained model and its random-init control, 5 rates x
-                     3 seeds each, one process per (init, rate), side by side on the GPU
+                     sentences; --glue-labels 8000 1000 adds the 1,000-label rows) for the
+                     trained model and its random-init control, 5 rates x 3 seeds each, one
+                     process per (size, init, rate), side by side on the GPU
   5. default suite   pytest -m "not slow" (the CPU suite: it hides the GPU) with -rf --junitxml,
                      on all cores when pytest-xdist is there
 
@@ -297,29 +298,46 @@ def stage_train(c: Check) -> None:
 # grid's top, 1e-3, and random init at 1e-4 (collapsing at 1e-3): the grid spans both.
 GLUE_LRS = ("3e-5", "1e-4", "3e-4", "1e-3", "2e-3")
 GLUE_SEEDS = (1, 2, 3)
+# What each size of the labelled set is measured against (docs/finetuning-results.md): +3 at
+# 8,000 sentences (this issue's GPU target), +8 at 1,000 (the CPU recipe's, unmet there: +6.0).
+GLUE_TARGETS = {8000: 3, 1000: 8}
+
+
+def glue_epochs(labels: int) -> int:
+    """3 epochs (the BERT paper's) of 8,000 sentences or more; a smaller set gets the epochs
+    that still show the model ~10,000 sentences (1,000: 10, as the CPU table's 1,000-label
+    rows), so that its few steps are not what decides the score."""
+    return max(3, -(-10_000 // labels))
 
 
 def stage_glue(c: Check) -> None:
-    """SST-2 (8,000 sentences x 3 epochs) for the trained model and its random-init control:
-    one bert-finetune process per (init, rate), all seeds in it, the processes side by side on
-    the GPU (a BERT-mini fine-tune leaves most of it idle)."""
+    """SST-2 (8,000 sentences x 3 epochs, and each further --glue-labels size) for the trained
+    model and its random-init control: one bert-finetune process per (size, init, rate), all
+    seeds in it, the processes side by side on the GPU (a BERT-mini fine-tune leaves most of it
+    idle)."""
     if not c.args.glue:
         c.results["glue"] = dict(stage="glue", status="not run: no --glue folder given")
         return
     run_dir = c.out / "run_gpu_mini"
     lrs, seeds = (("1e-4",), (1,)) if c.args.quick else (GLUE_LRS, GLUE_SEEDS)
     jobs = []
-    for init in ("pretrained", "random"):
-        for lr in lrs:
-            name = f"finetune_{init}_{lr}"
-            jobs.append((name, [
-                sys.executable, "-m", "bert_pretrain.finetune", "task=sst2", f"model={run_dir}",
-                f"init={init}", f"data_dir={Path(c.args.glue).resolve()}",
-                f"recipe.lrs=[{lr}]", f"recipe.seeds=[{','.join(map(str, seeds))}]",
-                "trainer.progress_bar=false", f"out_dir={c.out / 'glue' / f'{init}-{lr}'}",
-                *(["max_train_samples=64", "max_eval_samples=32"] if c.args.quick
-                  else ["max_train_samples=8000"])]))
-    c.results["glue"] = dict(stage="glue", runs=c.run_side_by_side("glue", jobs, cap=240))
+    for labels in c.args.glue_labels:
+        # (the first size keeps the names of the one-size stage: a second call reads both)
+        tag = "" if labels == c.args.glue_labels[0] else f"_n{labels}"
+        # --quick: the plumbing at a 125th of each size (8,000 -> 64 sentences, 1,000 -> 8)
+        size = ([f"max_train_samples={max(8, labels // 125)}", "max_eval_samples=32"]
+                if c.args.quick else [f"max_train_samples={labels}"])
+        for init in ("pretrained", "random"):
+            for lr in lrs:
+                jobs.append((f"finetune_{init}_{lr}{tag}", [
+                    sys.executable, "-m", "bert_pretrain.finetune", "task=sst2",
+                    f"model={run_dir}", f"init={init}", f"data_dir={Path(c.args.glue).resolve()}",
+                    f"recipe.lrs=[{lr}]", f"recipe.seeds=[{','.join(map(str, seeds))}]",
+                    f"recipe.epochs={glue_epochs(labels)}", "trainer.progress_bar=false",
+                    f"out_dir={c.out / 'glue' / f'{init}-{lr}{tag}'}", *size]))
+    # (more processes share the CPUs that feed the GPU: a minute more for each further size)
+    cap = 240 + 60 * (len(c.args.glue_labels) - 1)
+    c.results["glue"] = dict(stage="glue", runs=c.run_side_by_side("glue", jobs, cap=cap))
 
 
 def suite_command(c: Check, workers: int) -> list:
@@ -400,12 +418,14 @@ def _train_rates(c: Check) -> dict:
 
 
 def _glue_results(c: Check) -> dict:
-    """{init: {lr: (median, min, max, seeds)}} from the fine-tunes' finetune.json files."""
+    """{(training sentences, epochs): {init: {lr: (median, min, max)}}} from the fine-tunes'
+    finetune.json files."""
     out: dict = {}
     for path in sorted((c.out / "glue").glob("*/finetune.json")):
         r = json.loads(path.read_text())
         lo, hi = r["score_range"]
-        out.setdefault(r["init"], {})[r["best_lr"]] = (r["score"], lo, hi, r["num_train"])
+        size = (r["num_train"], r["recipe"]["epochs"])
+        out.setdefault(size, {}).setdefault(r["init"], {})[r["best_lr"]] = (r["score"], lo, hi)
     return out
 
 
@@ -414,29 +434,30 @@ def _lr(lr: float) -> str:
 
 
 def _glue_lines(c: Check) -> list[str]:
-    results = _glue_results(c)
-    if not results:
-        return []
-    lrs = sorted({lr for by_lr in results.values() for lr in by_lr})
-    sizes = sorted({v[3] for by_lr in results.values() for v in by_lr.values()})
-    lines = ["", "## SST-2 dev accuracy: the trained model against random init", "",
-             f"Median of the seeds (min-max) per learning rate; "
-             f"{' / '.join(f'{n:,}' for n in sizes)} training sentences, 3 epochs, batch 32.",
-             "", "| init | " + " | ".join(f"lr {_lr(lr)}" for lr in lrs) + " | best |",
-             "|---|" + "---:|" * (len(lrs) + 1)]
-    best = {}
-    for init, by_lr in sorted(results.items()):
-        cells = [f"{100 * by_lr[lr][0]:.1f} ({100 * by_lr[lr][1]:.1f}-{100 * by_lr[lr][2]:.1f})"
-                 if lr in by_lr else "-" for lr in lrs]
-        lr = max(by_lr, key=lambda k: by_lr[k][0])
-        best[init] = by_lr[lr]
-        lines.append(f"| {init} | " + " | ".join(cells) + f" | **{100 * by_lr[lr][0]:.1f}** "
-                     f"(lr {_lr(lr)}) |")
-    if {"pretrained", "random"} <= set(best):
-        p, r = best["pretrained"], best["random"]
-        apart = "ranges apart" if p[1] > r[2] or r[1] > p[2] else "ranges overlap"
-        lines += ["", f"Pretrained minus random init: {100 * (p[0] - r[0]):+.1f} points "
-                      f"({apart}; the target is +3)."]
+    lines = []
+    for (labels, epochs), results in sorted(_glue_results(c).items(), reverse=True):
+        lrs = sorted({lr for by_lr in results.values() for lr in by_lr})
+        lines += ["", f"## SST-2 dev accuracy, {labels:,} labels: the trained model against "
+                      f"random init", "",
+                  f"Median of the seeds (min-max) per learning rate; {labels:,} training "
+                  f"sentences, {epochs:g} epochs, batch 32.",
+                  "", "| init | " + " | ".join(f"lr {_lr(lr)}" for lr in lrs) + " | best |",
+                  "|---|" + "---:|" * (len(lrs) + 1)]
+        best = {}
+        for init, by_lr in sorted(results.items()):
+            cells = [f"{100 * by_lr[lr][0]:.1f} ({100 * by_lr[lr][1]:.1f}-"
+                     f"{100 * by_lr[lr][2]:.1f})" if lr in by_lr else "-" for lr in lrs]
+            lr = max(by_lr, key=lambda k: by_lr[k][0])
+            best[init] = by_lr[lr]
+            lines.append(f"| {init} | " + " | ".join(cells) + f" | **{100 * by_lr[lr][0]:.1f}** "
+                         f"(lr {_lr(lr)}) |")
+        if {"pretrained", "random"} <= set(best):
+            p, r = best["pretrained"], best["random"]
+            apart = "ranges apart" if p[1] > r[2] or r[1] > p[2] else "ranges overlap"
+            target = (f"; the target is +{GLUE_TARGETS[labels]}" if labels in GLUE_TARGETS
+                      else "")
+            lines += ["", f"Pretrained minus random init: {100 * (p[0] - r[0]):+.1f} points "
+                          f"({apart}{target})."]
     return lines
 
 
@@ -497,6 +518,9 @@ def main(argv=None) -> int:
                                                   "line, blank lines between documents); "
                                                   "default: the built-in corpus")
     p.add_argument("--glue", default=None, help="a GLUE folder holding SST-2/ (GLUE's files)")
+    p.add_argument("--glue-labels", type=int, nargs="+", default=[8000], metavar="N",
+                   help="SST-2 training sentences per fine-tune, one set of rows each (8000 1000: "
+                        "also the 1,000-label rows of the CPU table)")
     p.add_argument("--train-seconds", type=float, default=90)
     p.add_argument("--allow-cpu", action="store_true",
                    help="run on a machine without CUDA (checks the plumbing; figures say cpu)")
@@ -521,6 +545,10 @@ def main(argv=None) -> int:
     if args.glue and not (Path(args.glue) / "SST-2").is_dir():
         print(f"gpu-check: error: --glue {args.glue} has no SST-2/ folder (GLUE's SST-2 files: "
               f"train.tsv, dev.tsv)", file=sys.stderr)
+        return 2
+    if any(n < 1 for n in args.glue_labels) or len(set(args.glue_labels)) < len(args.glue_labels):
+        print(f"gpu-check: error: --glue-labels {' '.join(map(str, args.glue_labels))}: give "
+              f"distinct sizes of at least 1 (e.g. --glue-labels 8000 1000)", file=sys.stderr)
         return 2
     if args.corpus and not Path(args.corpus).is_file():
         print(f"gpu-check: error: --corpus {args.corpus} is not a file", file=sys.stderr)

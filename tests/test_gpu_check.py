@@ -35,6 +35,10 @@ def test_refuses_bad_folders_before_starting(tmp_path):
     assert proc.returncode == 2 and "has no SST-2/ folder" in proc.stderr
     proc = run("--allow-cpu", "--corpus", str(tmp_path / "nope.txt"))
     assert proc.returncode == 2 and "nope.txt is not a file" in proc.stderr
+    proc = run("--allow-cpu", "--glue-labels", "1000", "1000")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "gpu-check: error: --glue-labels 1000 1000: give distinct sizes of at least 1 (e.g. "
+        "--glue-labels 8000 1000)")
     assert not (tmp_path / "out").exists()
 
 
@@ -87,7 +91,8 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "the default suite runs beside, on " in first.stdout
     second = run("--allow-cpu", "--quick", "--out", str(out), "--glue", str(glue),
-                 "--budget", "600", "--stages", "glue", "late-bench")
+                 "--budget", "600", "--stages", "glue", "late-bench",
+                 "--glue-labels", "8000", "1000")
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     statuses = {r["name"]: r["status"] for stage in results["stages"].values()
@@ -95,10 +100,14 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
+                        "finetune_pretrained_1e-4_n1000": "ok", "finetune_random_1e-4_n1000": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
     assert results["stages"]["default-suite"]["beside_on_cpus"] >= 1
     summary = (out / "summary.md").read_text()
-    assert "| pretrained | " in summary and "Pretrained minus random init: " in summary
+    # a table for each size (--quick: a 125th of each), the smaller set trained for more epochs
+    assert "| pretrained | " in summary and summary.count("Pretrained minus random init: ") == 2
+    assert "64 training sentences, 3 epochs" in summary
+    assert "8 training sentences, 10 epochs" in summary
     assert "| pytest_default | ok |" in summary
     # whether the suite still ran when the training started is timing; what the summary says
     # of the training's rate must follow it
