@@ -26,7 +26,8 @@ run is recorded (cores busy outside this process, from /proc/stat).
 
 `--finetune` adds a fine-tuning row per preset: our BertForSequenceClassification against
 transformers' (sdpa) on the same weights and batches of sentence pairs of GLUE-like lengths
-(uniform in [seq/8, seq], each batch padded to its longest, as bert-finetune collates).
+(uniform in [seq/8, seq], each batch padded to its longest, as bert-finetune collates); with
+`--variants` the named speed switches are timed on the classifier as well.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ VARIANTS = {  # name -> ModelImpl overrides, to measure what each switch is wort
     "ours-compile": {"compile": True},
 }
 IMPL_FIELDS = {f.name for f in dataclasses.fields(ModelImpl)}
+
+
+# switches of the pretraining heads only: a classifier computes the same either way
+FINETUNE_IRRELEVANT = ("ours-no-sparse",)
 
 
 def same_as_default(switches: dict, device_type: str) -> bool:
@@ -299,6 +304,24 @@ def time_alternating(models: dict, batch_fn, flops_fn, cfg, batch_size: int, seq
     return times, cpu_times, tokens, flops, load.cores(), memory
 
 
+def variant_names(args, exclude: tuple = ()) -> list[str]:
+    """The variants of our model to time beside the default: those --variants names (all with
+    a bare --variants, one switch at a time off or on) that run something the default does not
+    on this device, and ours-compile with --compile."""
+    names = []
+    if args.variants is not None:
+        names += [v for v, switches in VARIANTS.items()
+                  if v != "ours" and v not in exclude
+                  and (not args.variants or v in args.variants)
+                  and set(switches) <= IMPL_FIELDS
+                  and not same_as_default(switches, torch.device(args.device).type)
+                  # (compiling takes a minute: only when named, or with --compile)
+                  and (v != "ours-compile" or args.variants)]
+    if args.compile and "ours-compile" not in names and "ours-compile" not in exclude:
+        names.append("ours-compile")
+    return names
+
+
 def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
               peaks) -> list[dict]:
     dtype = DTYPES[dtype_name]
@@ -306,16 +329,7 @@ def bench_one(preset: str, batch_size: int, seq_len: int, dtype_name: str, args,
     if args.dropout is not None:
         cfg = dataclasses.replace(cfg, hidden_dropout_prob=args.dropout,
                                   attention_probs_dropout_prob=args.dropout)
-    names = ["ours", "transformers"]
-    if args.variants is not None:  # one at a time off (or on) from the default
-        names += [v for v, switches in VARIANTS.items()
-                  if v != "ours" and (not args.variants or v in args.variants)
-                  and set(switches) <= IMPL_FIELDS
-                  and not same_as_default(switches, torch.device(args.device).type)
-                  # (compiling takes a minute: only when named, or with --compile)
-                  and (v != "ours-compile" or args.variants)]
-    if args.compile and "ours-compile" not in names:
-        names.append("ours-compile")
+    names = ["ours", "transformers"] + variant_names(args)
     baseline = None
     if args.baseline:
         names.append(f"ours@{args.baseline}")
@@ -601,8 +615,16 @@ def bench_finetune_one(preset: str, batch_size: int, seq_len: int, dtype_name: s
     theirs = transformers.BertForSequenceClassification._from_config(hf_cfg,
                                                                      attn_implementation="sdpa")
     theirs.load_state_dict(ours.hf_state_dict(), strict=True)
+    candidates = [("ours-finetune", ours), ("transformers-finetune", theirs)]
+    # the speed switches on the classifier too: its batches carry far more padding than
+    # pretraining's, which is where unpadding and the length groups should pay
+    for variant in variant_names(args, exclude=FINETUNE_IRRELEVANT):
+        model = BertForSequenceClassification(
+            cfg, 2, dataclasses.replace(ModelImpl(), **VARIANTS[variant]))
+        model.load_state_dict(ours.state_dict(), strict=True)
+        candidates.append((f"{variant}-finetune", model))
     models = {}
-    for name, model in (("ours-finetune", ours), ("transformers-finetune", theirs)):
+    for name, model in candidates:
         model.to(args.device).train()
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=3e-5, fused=True))
     times, cpu_times, tokens, flops, other, memory = time_alternating(

@@ -109,6 +109,25 @@ def test_fine_tuning_row(tmp_path):
     assert rows["ours-finetune"]["tokens_per_s"] > 0
 
 
+def test_fine_tuning_rows_time_the_named_switches_too(tmp_path):
+    """--finetune --variants: each named switch that a classifier has is timed on the
+    fine-tuning step as well (its batches carry the padding the switches act on); a switch of
+    the pretraining heads only (sparse_prediction) gets a pretraining row and no fine-tuning
+    one."""
+    out = tmp_path / "model.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "bench_model.py"), "--presets",
+                        "bert_tiny:4:32", "--dtypes", "fp32", "--warmup", "1", "--steps", "2",
+                        "--finetune", "--variants", "ours-varlen-groups", "ours-no-sparse",
+                        "--vocab-size", "512", "--out", str(out)],
+                       capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 0, r.stderr[-2000:]
+    models = {row["model"] for row in json.loads(out.read_text())["summary"]}
+    assert {"ours-varlen-groups", "ours-no-sparse", "ours-finetune", "transformers-finetune",
+            "ours-varlen-groups-finetune"} <= models
+    assert "ours-no-sparse-finetune" not in models
+    assert "ours-varlen-groups-finetune" in r.stdout
+
+
 def test_baseline_revision_is_timed_beside_ours_on_new_batches(tmp_path):
     """--baseline REV times our model as of a git revision beside today's (a change against the
     code before it), and each run draws batches of its own (a GPU caches kernel plans per

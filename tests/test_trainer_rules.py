@@ -385,10 +385,9 @@ def test_start_up_line_says_what_the_speed_switches_became(tmp_path, synthetic):
     train_in_process(base(synthetic, run_dir, "trainer.max_steps=1", "trainer.warmup_steps=0",
                           "trainer.checkpoint_every=1", "impl.fused_qkv=true"))
     log = (run_dir / "train.log").read_text()
-    assert ("speed switches on cpu: unpadded (auto on cpu), varlen_attention=groups (auto on "
-            "cpu), attention=eager (auto on cpu): runs length groups + explicit product (the last "
-            "layer's labelled rows: padded grid), sparse prediction + last layer, fused qkv, "
-            "fast dropout") in log
+    assert ("speed switches on cpu: unpadded (auto on cpu), varlen_attention=off (auto on "
+            "cpu), attention=eager (auto on cpu): runs padded grid + explicit product, sparse "
+            "prediction + last layer, fused qkv, fast dropout") in log
     # nested tensors take no score bias: while the locality start is on (demo, gpu_mini), the
     # layers run the padded grid, and the line says so (issue 38)
     run_dir = tmp_path / "nested"

@@ -199,7 +199,8 @@ class ModelImpl:
     kernels do not take: they use the padded grid);
     off: every sequence padded to the batch's length, one [B, heads, L, L] product (SDPA's
     fused kernels on a GPU);
-    auto: what measured fastest on the device (`resolved_varlen_attention`).
+    auto: what measured fastest on the device: off, on CPUs and GPUs alike
+    (`resolved_varlen_attention`).
     true / false are read as groups / off (their meaning before `nested` and `auto`)."""
     fused_qkv: bool | str = "auto"
     """One [3H, H] projection for query/key/value instead of three (same parameters). auto: on
@@ -245,17 +246,19 @@ class ModelImpl:
         check_pairs(self)
 
     def resolved_varlen_attention(self, device_type: str) -> str:
-        """What `varlen_attention` does on a device type ("cpu", "cuda", ...): `auto` is
-        `groups` on CPUs, where they were 1.05-1.3x faster than the padded grid at batch 8-32
-        (2 cores, docs/benchmarks.md), and `off` elsewhere: on an H100 the padded grid with
-        SDPA's fused kernels was 6x faster than the groups (BERT-base b256 L128, 0.086 vs
-        0.143-1.05 s a step, issue 30: every step brings new group shapes). `nested` ran at
-        0.35-0.50x transformers on an H100 and an H200 (docs/gpu.md): not the default."""
+        """What `varlen_attention` does on a device type ("cpu", "cuda", ...): `auto` is `off`,
+        the padded grid for the attention product, on every device. On an H100 it was 6x faster
+        than the groups (BERT-base b256 L128, 0.086 vs 0.143-1.05 s a step, issue 30: every step
+        brings new group shapes); on a 2-core CPU (still unpadded around the attention) it was
+        1.02-1.19x faster than the groups in each of 7 shapes and dtypes, pretraining and
+        fine-tuning steps, median of 3 runs, 2026-11-28 (docs/benchmarks.md): the groups' gain
+        measured before the planner rebuild did not hold. `nested` ran at 0.35-0.50x
+        transformers on an H100 and an H200 (docs/gpu.md): not the default."""
         if not self.resolved_unpad(device_type):
             return "off"  # varlen needs the unpadded layout
         if self.varlen_attention != "auto":
             return self.varlen_attention
-        return "groups" if device_type == "cpu" else "off"
+        return "off"
 
     def resolved_unpad(self, device_type: str) -> bool:
         """Whether `unpad` drops the padding on a device type: `auto` does on CPUs (fewer rows
