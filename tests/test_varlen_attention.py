@@ -304,8 +304,8 @@ def test_holes_in_the_mask(mode, used):
 def test_auto_picks_per_device(device, expected):
     """auto: the padded grid for the attention product on every device (on a GPU with SDPA's
     fused kernels, 6x faster than groups on an H100, issue 30; on a 2-core CPU, still unpadded
-    around it, 1.02-1.19x faster than the groups, docs/benchmarks.md); an explicit choice stands
-    on every device; without unpadding there is nothing to skip."""
+    around it, 1.03-1.23x faster than the groups on quiet cores, docs/benchmarks.md); an explicit
+    choice stands on every device; without unpadding there is nothing to skip."""
     assert ModelImpl().varlen_attention == "auto"
     assert ModelImpl().resolved_varlen_attention(device) == expected
     assert ModelImpl(varlen_attention="nested").resolved_varlen_attention(device) == "nested"

@@ -250,9 +250,10 @@ class ModelImpl:
         the padded grid for the attention product, on every device. On an H100 it was 6x faster
         than the groups (BERT-base b256 L128, 0.086 vs 0.143-1.05 s a step, issue 30: every step
         brings new group shapes); on a 2-core CPU (still unpadded around the attention) it was
-        1.02-1.19x faster than the groups in each of 7 shapes and dtypes, pretraining and
-        fine-tuning steps, median of 3 runs, 2026-11-28 (docs/benchmarks.md): the groups' gain
-        measured before the planner rebuild did not hold. `nested` ran at 0.35-0.50x
+        1.03-1.23x faster than the groups in every shape and dtype measured, pretraining and
+        fine-tuning steps, medians of 3 quiet runs, 2026-11-28 (docs/benchmarks.md): the groups'
+        gain measured before the planner rebuild did not hold. Beside a busy process (one run)
+        the two were even, the groups up to 9% ahead in fine-tuning. `nested` ran at 0.35-0.50x
         transformers on an H100 and an H200 (docs/gpu.md): not the default."""
         if not self.resolved_unpad(device_type):
             return "off"  # varlen needs the unpadded layout
