@@ -41,7 +41,8 @@ def _tiny_encoder(path):
                                      attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     transformers.BertModel(config).save_pretrained(path)
-    transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    # positional: vocab_file in transformers 4.x, vocab in 5.x (which ignores vocab_file=)
+    transformers.BertTokenizerFast(str(path / "vocab.txt")).save_pretrained(path)
     return path
 
 
