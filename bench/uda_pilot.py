@@ -134,6 +134,11 @@ def install(args):
         tokenizer.enable_truncation(min(s.recipe.max_length,
                                         pretrained.config.max_position_embeddings))
         text = read_column(args.unlabeled, args.column)
+        wanted = args.ratio * s.recipe.batch_size
+        if len(text) < wanted:
+            raise SystemExit(f"uda_pilot: {args.unlabeled} has {len(text)} non-empty rows in "
+                             f"{args.column!r}; a step draws --ratio x recipe.batch_size = "
+                             f"{wanted}: give more unlabeled text or lower --ratio")
         ids = [np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(text)]
         special = {tokenizer.token_to_id(t) for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]",
                                                       "[UNK]")} - {None}

@@ -98,5 +98,8 @@ def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
     (result,) = [json.loads(p.read_text()) for p in out.rglob("result.json")]
     assert result["identity"]["uda_pilot"]["weight"] == 1.0
     assert result["steps"] == 6 and 0.0 <= result["score"] <= 100.0
+    with pytest.raises(SystemExit, match="has 40 non-empty rows .* = 48: give more"):
+        uda_pilot.main(["--unlabeled", str(tmp_path / "unlabeled.csv"), "--column", "text",
+                        "--ratio", "6", "--", *common, f"out_dir={tmp_path / 'ft2'}"])
     with pytest.raises(SystemExit, match="after `--`"):
         uda_pilot.main(["--unlabeled", "x.csv"])
