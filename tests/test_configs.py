@@ -45,7 +45,8 @@ def test_model_options_compose_and_validate(model, prepared):
     s = settings(compose([f"model={model}", f"data.dir={prepared}"]))
     cfg = BertConfig.from_dict(s.model, vocab_size=64, pad_token_id=0)
     assert cfg.hidden_size % cfg.num_attention_heads == 0
-    expected = {"bert_tiny": (2, 128), "bert_mini": (4, 256), "bert_small": (4, 512),
+    expected = {"bert_tiny": (2, 128), "bert_l2_h256": (2, 256), "bert_mini": (4, 256),
+                "bert_small": (4, 512),
                 "bert_medium": (8, 512), "bert_base": (12, 768), "bert_large": (24, 1024)}
     if model in expected:
         assert (cfg.num_hidden_layers, cfg.hidden_size) == expected[model]
@@ -131,6 +132,22 @@ def test_recipe_experiment_composes_each_switch(prepared):
         (budget.trainer.budget_hours, budget.trainer.attention_locality, budget.optim.lr,
          budget.model)
     assert s.objective == "eval_mlm_loss"
+
+
+def test_domain_recipe_model_and_a_users_choice_of_another():
+    # The in-domain recipe's model is a config of the model group (2 x 256), not a field set in
+    # its body, so that model=<option> on the command line gives that model whole: a body's
+    # num_hidden_layers would have cut model=bert_small to 2 layers without a word.
+    s = settings(compose(["experiment=domain_mini", "data.dir=x"]))
+    m = s.model    # a dict: the model's own fields (BertConfig.from_dict reads it)
+    assert (m["num_hidden_layers"], m["hidden_size"], m["num_attention_heads"],
+            m["intermediate_size"]) == (2, 256, 4, 1024)
+    assert (m["hidden_dropout_prob"], m["attention_probs_dropout_prob"]) == (0.0, 0.0)
+    assert (s.trainer.max_steps, s.trainer.budget_hours, s.optim.lr) == (7500, None, 1e-3)
+    for model, shape in [("bert_mini", (4, 256)), ("bert_small", (4, 512))]:
+        m = settings(compose(["experiment=domain_mini", "data.dir=x", f"model={model}"])).model
+        assert (m["num_hidden_layers"], m["hidden_size"]) == shape
+        assert m["hidden_dropout_prob"] == 0.0     # the recipe's no-dropout still applies
 
 
 def test_recipe_experiment_trains(prepared, tmp_path):
