@@ -229,7 +229,7 @@ def _run_tasks(tasks: list, ctx: dict, num_proc: int, progress: bool) -> None:
 def _run_pool(tasks: list, ctx: dict, workers: int, done) -> None:
     """Shards on worker processes.  A worker that dies (the out-of-memory killer, kill -9)
     fails the run at once, where multiprocessing.Pool would wait for its shard forever; on
-    an error or Ctrl-C the other workers are stopped, not waited for."""
+    an error or Ctrl-C the other workers are killed, not waited for."""
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
@@ -242,7 +242,11 @@ def _run_pool(tasks: list, ctx: dict, workers: int, done) -> None:
     except BaseException as e:
         for proc in list((getattr(ex, "_processes", None) or {}).values()):
             proc.kill()      # half-written shards are temp dirs: the re-run deletes them
-        ex.shutdown(wait=False, cancel_futures=True)
+        # wait=True joins the executor's manager thread, which ends at once with its workers
+        # killed.  Left running, it closes its wake-up pipe while the interpreter's exit hook
+        # (concurrent.futures' _python_exit) writes to it without the lock: now and then
+        # "OSError: Bad file descriptor" and a traceback after the one-line Ctrl-C message.
+        ex.shutdown(wait=True, cancel_futures=True)
         if isinstance(e, BrokenProcessPool):
             raise PrepError("a worker process died while building shards (killed by the "
                             "system? running out of memory is the usual cause: lower num_proc "
