@@ -1,5 +1,6 @@
 """What the benchmarks share: the load other processes put on the machine while a measurement
-ran, and the median-with-spread every published figure is.
+ran, the median-with-spread every published figure is, and the command line of the pilots that
+patch bert-finetune (uda_pilot.py, prompt_pilot.py).
 
 A figure taken on a shared machine is not a figure: every benchmark records the other load beside
 its numbers, so a reader can tell a quiet run from one that competed for the cores.
@@ -59,3 +60,27 @@ def median_and_range(rows: list[dict], fields) -> dict:
             out[field] = statistics.median(values)
             out[field + "_range"] = [min(values), max(values)]
     return out
+
+
+def finetune_with_pilot(prog: str, parser, install, argv=None) -> None:
+    """A bert-finetune pilot's command: its own options, `--`, then bert-finetune's overrides.
+    Runs bert-finetune with the pilot's patches (`install(args)` returns what undoes them)
+    and undoes them after, so that a process can go on fine-tuning plainly (the tests do)."""
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        if "-h" in argv or "--help" in argv:
+            parser.parse_args(["--help"])  # prints the pilot's options and exits
+        sys.exit(f"{prog}: put bert-finetune's overrides after `--`")
+    cut = argv.index("--")
+    args = parser.parse_args(argv[:cut])
+    uninstall = install(args)
+    from bert_pretrain.finetune.cli import main as finetune_main
+
+    saved_argv, sys.argv = sys.argv, ["bert-finetune"] + argv[cut + 1:]
+    try:
+        finetune_main()
+    finally:
+        sys.argv = saved_argv
+        uninstall()

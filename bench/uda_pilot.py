@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchlib import finetune_with_pilot
+
 
 def read_column(path: str, column: str) -> list:
     """The `column` of a .tsv (tab) or .csv file; no other column is read."""
@@ -204,10 +206,6 @@ def install(args):
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        sys.exit("uda_pilot: put bert-finetune's overrides after `--`")
-    cut = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--unlabeled", required=True, help=".tsv / .csv of unlabeled text")
     p.add_argument("--column", default="sentence")
@@ -217,16 +215,7 @@ def main(argv=None) -> None:
     p.add_argument("--threshold", type=float, default=0.6)
     p.add_argument("--replace", type=float, default=0.3)
     p.add_argument("--tsa", choices=["none", "linear", "log", "exp"], default="linear")
-    args = p.parse_args(argv[:cut])
-    uninstall = install(args)
-    from bert_pretrain.finetune.cli import main as finetune_main
-
-    saved_argv, sys.argv = sys.argv, ["bert-finetune"] + argv[cut + 1:]
-    try:
-        finetune_main()
-    finally:
-        sys.argv = saved_argv
-        uninstall()
+    finetune_with_pilot("uda_pilot", p, install, argv)
 
 
 if __name__ == "__main__":
