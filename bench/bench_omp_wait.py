@@ -56,7 +56,8 @@ def train_seconds_per_step(args, policy: str, work: str) -> float:
     shutil.rmtree(run_dir, ignore_errors=True)
     _run([str(BIN / "bert-train"), f"experiment={args.experiment}", f"data.dir={args.prepared}",
           f"run_dir={run_dir}", f"trainer.max_steps={args.steps}", "trainer.eval_every=1000000",
-          "trainer.checkpoint_every=1000000", "trainer.progress_bar=false"], policy)
+          "trainer.checkpoint_every=1000000", "trainer.progress_bar=false",
+          *args.train_args], policy)
     records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
                if '"elapsed_s"' in line]
     # from the first logged step on: the first steps' one-off costs (allocations) left out
@@ -79,6 +80,9 @@ def main() -> None:
     p.add_argument("--prepared", required=True, help="a bert-prep output folder")
     p.add_argument("--experiment", default="domain_mini")
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--train-args", nargs="*", default=[],
+                   help="more bert-train overrides, e.g. model=bert_mini (the published table's "
+                        "4-layer model)")
     p.add_argument("--finetune-model", default=None,
                    help="a model bert-finetune takes; leave out to skip the fine-tune")
     p.add_argument("--finetune-args", nargs="*", default=["task=sst2"],

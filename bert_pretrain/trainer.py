@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -43,22 +42,44 @@ def dropout_seed(seed: int, step: int, micro_index: int) -> int:
                * (1 << 53))
 
 
-@dataclass
-class StepResult:
-    """One optimizer step, over the global batch (identical on every process)."""
+def _held(name: str, doc: str) -> property:
+    return property(lambda self: self.settle()._held[name], doc=doc)
 
-    loss: float
-    mlm_loss: float
-    nsp_loss: float
-    num_tokens: int
-    """Non-padding tokens of the global batch."""
-    grad_norm: Optional[float]
-    updated: bool
-    """False when the step was skipped (non-finite loss or gradient norm)."""
-    stop_requested: bool
-    """Some process got SIGTERM/SIGINT during the step."""
-    seconds: float = 0.0
-    """Wall time of the step on this process (data, forward, backward, update)."""
+
+class StepResult:
+    """One optimizer step, over the global batch (identical on every process).
+
+    A step of a run that defers its reads (`Trainer.defer_reads`) holds its losses, gradient
+    norm and `updated` as tensors on the device; `settle` (or the first read of any of them)
+    brings them to the host. The trainer settles at each log, checkpoint and stop, so a GPU
+    waits for the host there rather than at every step."""
+
+    def __init__(self, loss, mlm_loss, nsp_loss, num_tokens: int, grad_norm, updated,
+                 stop_requested: bool, seconds: float = 0.0, step: int = 0):
+        self._held = {"loss": loss, "mlm_loss": mlm_loss, "nsp_loss": nsp_loss,
+                      "grad_norm": grad_norm, "updated": updated}
+        self.num_tokens = num_tokens
+        """Non-padding tokens of the global batch."""
+        self.stop_requested = stop_requested
+        """Some process got SIGTERM/SIGINT during the step."""
+        self.seconds = seconds
+        """Wall time of the step on this process (data, forward, backward, update)."""
+        self.step = step
+        """The step count after this step."""
+
+    def settle(self) -> "StepResult":
+        """The held tensors as Python numbers (one wait for the device, the first time)."""
+        for key, value in self._held.items():
+            if isinstance(value, torch.Tensor):
+                self._held[key] = bool(value) if key == "updated" else value.item()
+        return self
+
+    loss = _held("loss", "mlm_loss + nsp_loss (+ the ELECTRA discriminator's loss).")
+    mlm_loss = _held("mlm_loss", "The MLM loss of the global batch.")
+    nsp_loss = _held("nsp_loss", "The NSP loss, or None for an MLM-only model.")
+    grad_norm = _held("grad_norm", "The global gradient norm before clipping.")
+    updated = _held("updated", "False when the step was skipped (non-finite loss or gradient "
+                               "norm).")
 
 
 class Trainer:
@@ -84,6 +105,7 @@ class Trainer:
             raise
         # Loop state; `fit` adds the progress bar and the signal handlers.
         self.stop, self.bar, self.stopped_early, self.nonfinite = None, None, False, 0
+        self.pending = []  # steps not yet settled (read on the host): see `settle`
         for note in self.import_notes:
             self.log.warning(f"bert-train: warning: {note}")
         self.clock = time.perf_counter() - self.elapsed  # elapsed counts training time only
@@ -223,6 +245,11 @@ class Trainer:
         else:
             optimizer = build_optimizer(s.optim, self.raw_model.named_parameters())
             self.model, self.optimizer = acc.prepare(self.raw_model, optimizer)
+        # One process whose optimizer can skip a non-finite step on the device: a step need not
+        # wait for the device to finish before the host prepares the next (collectives of
+        # several processes, a loss scaler and LAMB read their numbers on the host each step).
+        self.defer_reads = tc.defer_reads and self.world == 1 and not self.sharded and \
+            self.precision.defers_reads(self.optimizer)
         self.schedule = Schedule(s.scheduler, tc.max_steps, tc.warmup,
                                  tc.budget_hours * 3600 if tc.budget_hours else None)
         self.step, self.tokens_seen = self.state["step"], self.state["tokens_seen"]
@@ -306,8 +333,10 @@ class Trainer:
                 paused = time.perf_counter()  # evaluation and saving do not eat the budget
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.can_evaluate:
                     self.run_evaluation(intermediate=not self._finished())
-                if self.step % tc.checkpoint_every == 0 and result.updated:
-                    self.save()
+                if self.step % tc.checkpoint_every == 0:
+                    self.settle()
+                    if result.updated:
+                        self.save()
                 self.clock += time.perf_counter() - paused
                 if result.stop_requested:
                     self.log.info(f"bert-train: stop requested: saving at step {self.step} and "
@@ -399,25 +428,36 @@ class Trainer:
                 sums[1] += out.nsp_loss.detach().double()
             if out.rtd_loss is not None:
                 sums[3] += out.rtd_loss.detach().double()
-        sums[2] = float(self.stop is not None and self.stop.requested)
-        if self.world > 1:
-            sums = acc.reduce(sums, reduction="sum")
-        mlm, nsp, rtd = (sums[0].item() / num_mlm, sums[1].item() / num_nsp,
-                         sums[3].item() / num_real)
-        precision.unscale(self.optimizer)
-        grad_norm = self._grad_norm()
-        updated = precision.step(self.optimizer,
-                                 finite=math.isfinite(mlm + nsp + rtd) and
-                                 math.isfinite(grad_norm))
+        stop = bool(self.stop is not None and self.stop.requested)
+        if self.defer_reads:
+            # Nothing below needs the loss on the host: the skip of a non-finite step happens
+            # on the device (precision.step_on_device), and the numbers are read at the next
+            # log, checkpoint or stop (`settle`). The same arithmetic as the branch below, in
+            # float64 on the device, so the logged values are the same to the last bit.
+            mlm, nsp, rtd = sums[0] / num_mlm, sums[1] / num_nsp, sums[3] / num_real
+            loss = mlm + nsp + rtd
+            grad_norm = self._grad_norm(on_device=True)
+            updated = torch.isfinite(loss) & torch.isfinite(grad_norm)
+            precision.step_on_device(self.optimizer, updated)
+        else:
+            sums[2] = float(stop)
+            if self.world > 1:
+                sums = acc.reduce(sums, reduction="sum")
+            mlm, nsp, rtd = (sums[0].item() / num_mlm, sums[1].item() / num_nsp,
+                             sums[3].item() / num_real)
+            loss = mlm + nsp + rtd
+            precision.unscale(self.optimizer)
+            grad_norm = self._grad_norm()
+            updated = precision.step(self.optimizer,
+                                     finite=math.isfinite(loss) and math.isfinite(grad_norm))
+            stop = sums[2].item() > 0
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         num_tokens = int(counts[2])
         self.tokens_seen += num_tokens
         self._advance_clock()
-        result = StepResult(mlm + nsp + rtd, mlm, nsp if nsp_on else None, num_tokens, grad_norm,
-                            updated, sums[2].item() > 0, time.perf_counter() - started)
-        self._count_nonfinite(result)
-        return result
+        return StepResult(loss, mlm, nsp if nsp_on else None, num_tokens, grad_norm, updated,
+                          stop, time.perf_counter() - started, self.step)
 
     def _advance_clock(self) -> None:
         """Training time so far. With a time budget every process must agree on it (it drives
@@ -443,27 +483,48 @@ class Trainer:
             self.raw_model.set_attention_locality(slopes)
             self._locality_slopes = slopes
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self, on_device: bool = False):
         """The global gradient norm (after DDP's all-reduce and unscaling), clipped to
-        max_grad_norm if set.  Sharded gradients are DTensors: torch's norm of them is the
-        norm over every process's shards (a DTensor until reduced, full_value)."""
+        max_grad_norm if set: a float, or with `on_device` the 0-d tensor, not read.  Sharded
+        gradients are DTensors: torch's norm of them is the norm over every process's shards
+        (a DTensor until reduced, full_value)."""
         from .components.sharding import full_value
 
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.tc.max_grad_norm is not None:
             if self.sharded:
-                return float(full_value(torch.nn.utils.clip_grad_norm_(
-                    params, self.tc.max_grad_norm)))
-            return float(self.accelerator.clip_grad_norm_(params, self.tc.max_grad_norm))
-        grads = [p.grad for p in params]
-        if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-            return float(full_value(torch.nn.utils.get_total_norm(grads)))
-        return float(torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+                norm = full_value(torch.nn.utils.clip_grad_norm_(params, self.tc.max_grad_norm))
+            else:
+                norm = self.accelerator.clip_grad_norm_(params, self.tc.max_grad_norm)
+        else:
+            grads = [p.grad for p in params]
+            if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+                norm = full_value(torch.nn.utils.get_total_norm(grads))
+            else:
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return norm if on_device else float(norm)
+
+    def settle(self) -> None:
+        """Bring the steps since the last settle to the host, in order: the log window's sums
+        and the count of consecutive skipped steps (which may stop the run). Any wait for the
+        device here counts as training time of the last step."""
+        if not self.pending:
+            return
+        started = time.perf_counter()
+        for result in self.pending:
+            result.settle()
+        self.pending[-1].seconds += time.perf_counter() - started
+        pending, self.pending = self.pending, []
+        for result in pending:
+            self.window.add(result.loss, result.mlm_loss, result.nsp_loss or 0.0, result.updated,
+                            result.num_tokens, result.seconds)
+            self._count_nonfinite(result)
 
     def _count_nonfinite(self, result: StepResult) -> None:
         """A run that keeps producing inf/nan stops with its last good checkpoint intact rather
-        than overwriting it; skipped steps leave the weights as they were."""
+        than overwriting it; skipped steps leave the weights as they were. (With deferred reads
+        the stop comes at the next settle; nothing is saved before it.)"""
         if result.updated:
             self.nonfinite = 0
             return
@@ -471,7 +532,7 @@ class Trainer:
         if self.nonfinite >= self.precision.nonfinite_limit(self.tc.max_nonfinite_steps):
             raise TrainingError(
                 f"the loss or gradient norm was non-finite for {self.nonfinite} consecutive "
-                f"steps (step {self.step}); last good checkpoint: "
+                f"steps (step {result.step}); last good checkpoint: "
                 f"{self.checkpoints.latest(verify=False) or 'none'}; lower optim.lr, raise "
                 f"trainer.warmup_steps or set trainer.max_grad_norm, then resume=auto"
             )
@@ -480,8 +541,9 @@ class Trainer:
     def log_step(self, result: StepResult) -> None:
         """Average the window's steps into one metrics.jsonl record every log_every steps."""
         tc = self.tc
-        self.window.add(result.loss, result.mlm_loss, result.nsp_loss or 0.0, result.updated,
-                        result.num_tokens, result.seconds)
+        self.pending.append(result)
+        if not self.defer_reads:  # the numbers are on the host already: count the step now
+            self.settle()
         budget = tc.budget_hours * 3600 if tc.budget_hours else None
         if self.bar is not None:
             if budget:  # the bar counts seconds; the step beside them is this one, every step
@@ -491,6 +553,7 @@ class Trainer:
         # record carries the run's total time and tokens.
         if self.step % tc.log_every and not (self._finished() or result.stop_requested):
             return
+        self.settle()
         record = {"step": self.step, **self.window.averages(), "lr": self.lr,
                   "tokens_seen": self.tokens_seen, "epoch": round(self.stream.epoch, 4),
                   "elapsed_s": round(self.elapsed, 2)}

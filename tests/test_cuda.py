@@ -197,3 +197,40 @@ def test_fsdp_on_one_gpu_trains_the_unsharded_losses_and_resumes_without_shardin
         assert on_fsdp[step] == pytest.approx(reference[step], rel=1e-4), step
     for step in range(4, 7):
         assert after[step] == pytest.approx(on_fsdp[step], rel=1e-4), step
+
+
+@cuda
+def test_a_gpu_step_waits_for_the_device_only_inside_the_model(tmp_path, prepared):
+    """Deferred reads (trainer.py): torch's sync debug mode names every operation of a step
+    that waits for the GPU; none may come from the trainer, the optimizer step or the batch's
+    copy (the model's own, e.g. gathering the labelled rows, are reported, not refused). Then
+    the numbers, settled, are the ones a run reading every step logs."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import settings
+    from bert_pretrain.trainer import Trainer
+    from train_support import compose
+
+    cfg = compose(["experiment=smoke", f"data.dir={prepared}", f"run_dir={tmp_path / 'run'}",
+                   "trainer.eval_every=0", "trainer.mixed_precision=bf16"])
+    trainer = Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
+    try:
+        assert trainer.defer_reads and trainer.accelerator.device.type == "cuda"
+        trainer.train_step()  # the first step sets up the optimizer's state
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                results = [trainer.train_step() for _ in range(3)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits = [f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+                 if "synchroniz" in str(w.message)]
+        print("waits for the GPU in 3 steps:", waits)
+        ours = {"trainer.py", "precision.py", "evaluation.py", "optim.py"}
+        assert not [w for w in waits if w.split(":")[0] in ours], waits
+        assert all(r.updated and r.loss == r.loss for r in results)
+    finally:
+        trainer.close()

@@ -12,7 +12,12 @@ def model_inputs(batch: dict, device, next_sentence_prediction: bool = True) -> 
     For an MLM-only model (`next_sentence_prediction=False`) the NSP labels of pair data are
     left out too: it trains and is scored on the masked tokens alone."""
     skip = ("num_tokens",) if next_sentence_prediction else ("num_tokens", "next_sentence_label")
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in skip}
+    # To a GPU from page-locked memory: a copy from pageable memory may wait for the work
+    # queued before it, which would undo the training step's deferred reads (trainer.py).
+    pin = torch.device(device).type == "cuda"
+    return {k: (v.pin_memory() if pin and v.device.type == "cpu" else v).to(device,
+                                                                            non_blocking=True)
+            for k, v in batch.items() if k not in skip}
 
 
 def evaluate(model, accelerator, batches, progress=None, mask_id=None, autocast=None,

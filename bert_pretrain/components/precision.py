@@ -84,6 +84,24 @@ class Precision:
         self.scaler.update()
         return finite and self.scaler.get_scale() >= before
 
+    def defers_reads(self, optimizer) -> bool:
+        """Whether `step_on_device` can skip a step for this optimizer: torch's fused AdamW
+        takes a found-inf tensor (the flag GradScaler gives it) and skips its update on the
+        device; with a loss scaler the scale's update is read on the host anyway."""
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper
+        return self.scaler is None and bool(getattr(inner, "_step_supports_amp_scaling", False)) \
+            and bool(inner.defaults.get("fused"))
+
+    def step_on_device(self, optimizer, finite: torch.Tensor) -> None:
+        """`step` without reading `finite` (a 0-d bool tensor) on the host: the fused kernel
+        leaves the weights, moments and step count as they were where it is false."""
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.found_inf = (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del inner.found_inf
+
     def nonfinite_limit(self, max_nonfinite_steps: int) -> int:
         """Consecutive skipped steps after which the run stops."""
         return max(max_nonfinite_steps, 1) + (SCALER_ROOM if self.scaler is not None else 0)

@@ -67,6 +67,12 @@ class TrainerConfig:
     keep_last_k: int = 3
     max_nonfinite_steps: int = 10
     """Stop after this many consecutive non-finite steps (loss or gradient norm; each skipped)."""
+    defer_reads: bool = True
+    """Read each step's loss, gradient norm and skip decision on the host at the next log,
+    checkpoint or stop, not at every step, where the run allows it (one process, torch's fused
+    AdamW, no fp16 loss scaler): a GPU then keeps working while the host prepares the next
+    step. The same numbers and weights either way; false reads every step (a run over
+    max_nonfinite_steps then stops at that step, not at the next log)."""
     init_from: Optional[str] = None
     """A checkpoint directory to take the weights from (phase 2): fresh optimizer, schedule
     and data position."""
