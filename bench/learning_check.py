@@ -123,7 +123,8 @@ def worker(overrides: list[str]) -> None:
 
         def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None,
                     next_sentence_label=None, output_attentions=False,
-                    output_hidden_states=False, loss_reduction="mean"):
+                    output_hidden_states=False, loss_reduction="mean", num_labelled=None):
+            # (num_labelled: our model's gather of the labelled rows; transformers' head is dense)
             out = super().forward(input_ids=input_ids, attention_mask=attention_mask,
                                   token_type_ids=token_type_ids)
             logits, nsp_logits = out.prediction_logits, out.seq_relationship_logits

@@ -394,7 +394,8 @@ class Trainer:
         # The global batch's counts, known before any forward pass: the normalisers of its loss.
         # (The batches are still on the host: one process needs no device round trip, which on
         # a GPU would wait for the previous step's optimizer before launching this forward.)
-        counts = [float(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)),
+        labelled = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]
+        counts = [float(sum(labelled)),
                   float(sum(int(b["next_sentence_label"].numel()) for b in batches)
                         if nsp_on else 0),
                   float(sum(int(b["num_tokens"]) for b in batches))]
@@ -412,7 +413,7 @@ class Trainer:
             # whole unsharded gradients between micro-batches, the memory sharding saves)
             with contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model):
                 with precision.autocast():
-                    out = self.model(**inputs, loss_reduction="sum")
+                    out = self.model(**inputs, loss_reduction="sum", num_labelled=labelled[j])
                 # x world: DDP and FSDP average gradients over processes, the global batch
                 # sums them.
                 loss = out.mlm_loss * (self.world / num_mlm)

@@ -50,8 +50,9 @@ def make_trainer(data, run_dir, *extra):
 
 def test_a_deferred_step_reads_nothing_back_until_settled(tmp_path, synthetic, monkeypatch):
     """Any read of a float or bool tensor's value in a step would be a wait for a GPU; with the
-    padded layout (a GPU's default) a step makes none. The results hold tensors until settled,
-    and settling gives the numbers the same steps read one by one give."""
+    padded layout (a GPU's default) a step makes none, and the MLM head is given its row count
+    from the host. The results hold tensors until settled, and settling gives the numbers the
+    same steps read one by one give."""
     reads = []
 
     def guard(m, name):
@@ -77,8 +78,19 @@ def test_a_deferred_step_reads_nothing_back_until_settled(tmp_path, synthetic, m
         finally:
             trainer.close()
 
+    import bert_pretrain.model.bert as bert
+
+    counts, gather = [], bert.labelled_rows
+
+    def counted(flat_labels, count=None):
+        counts.append(count)
+        return gather(flat_labels, count)
+
+    monkeypatch.setattr(bert, "labelled_rows", counted)
     deferred, held, numbers = three_steps(tmp_path / "deferred")
     assert deferred and all(held) and reads == []
+    # the MLM head gathers its rows at the count the trainer took from the batch on the host
+    assert len(counts) == 3 and all(isinstance(c, int) and c > 0 for c in counts)
     assert all(isinstance(x, float) for row in numbers for x in row[:4])
     # the same steps reading every step: reads in each step, the same numbers
     deferred, held, read = three_steps(tmp_path / "read", READ_EVERY_STEP)

@@ -428,3 +428,27 @@ def assert_compiled(model) -> None:
     layers = model.bert.encoder.layer
     assert all(layer._compiled is not None for layer in layers), "impl.compile was ignored"
     assert dynamo_utils.counters["stats"]["unique_graphs"] >= 2, dict(dynamo_utils.counters)
+
+
+@pytest.mark.parametrize("switches", [
+    dict(),                                            # the CPU defaults: unpadded, thinned last layer
+    dict(unpad=False, sparse_last_layer=False),        # a GPU's defaults
+    dict(sparse_prediction=False),                     # dense logits, loss over the labelled rows
+], ids=["cpu-defaults", "gpu-defaults", "dense"])
+def test_a_labelled_count_from_the_host_gives_the_same_step(switches):
+    """`num_labelled` (a trainer's count of its batch) gathers the labelled rows at a given
+    size instead of asking the device: the same losses, logits and gradients, bit for bit; a
+    count that does not match the labels is refused where checking it costs no wait."""
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertForPreTraining(cfg, ModelImpl(**switches)).train()
+    batch = make_batch(cfg)
+    count = int((batch["labels"] != -100).sum())
+    plain_out, plain_grads = run_step(model, batch)
+    out, grads = run_step(model, batch, num_labelled=count)
+    assert torch.equal(out.loss, plain_out.loss)
+    assert torch.equal(out.prediction_logits, plain_out.prediction_logits)
+    assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)
+    with pytest.raises(ValueError, match=f"num_labelled={count - 1}, but the labels hold "
+                                         f"{count} that are not -100"):
+        model(**batch, num_labelled=count - 1)

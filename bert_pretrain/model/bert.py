@@ -49,6 +49,23 @@ class PreTrainingOutput:
     """[N] 1.0 where the generator's sample differs from the original token, else 0.0."""
 
 
+def labelled_rows(flat_labels: torch.Tensor, count: int | None = None) -> torch.Tensor:
+    """Indices of the labels that are not -100, in order. With `count` (exact, known on the
+    host) the output size is given, so a GPU need not report it back (torch >= 2.6 has this on
+    CUDA; older builds fall back to the plain gather)."""
+    labelled = flat_labels != IGNORE_INDEX
+    if count is not None:
+        if labelled.device.type == "cpu" and int(labelled.sum()) != count:
+            # (checked where it costs no wait: a wrong count would drop or repeat rows)
+            raise ValueError(f"num_labelled={count}, but the labels hold "
+                             f"{int(labelled.sum())} that are not -100")
+        try:
+            return torch.nonzero_static(labelled, size=count).squeeze(1)
+        except NotImplementedError:  # no kernel for this device in this torch build
+            pass
+    return labelled.nonzero().squeeze(1)
+
+
 def init_bert_weights(module: nn.Module, std: float) -> None:
     """BERT's initialisation (truncation aside, as transformers): N(0, std) weights, zero
     biases, unit LayerNorms, zero row for the padding embedding."""
@@ -175,11 +192,15 @@ class BertForPreTraining(nn.Module):
                 next_sentence_label: torch.Tensor | None = None,
                 output_attentions: bool = False,
                 output_hidden_states: bool = False,
-                loss_reduction: str = "mean") -> PreTrainingOutput:
+                loss_reduction: str = "mean",
+                num_labelled: int | None = None) -> PreTrainingOutput:
         """`loss_reduction="sum"` returns summed token / sequence losses, so that a trainer can
         normalise by the counts of a whole global batch rather than of this micro-batch.
         Without `next_sentence_label` there is no NSP loss (`nsp_loss` is None); an MLM-only
-        model refuses one."""
+        model refuses one. `num_labelled`: how many labels are not -100, where the caller
+        knows it on the host (a trainer counts its batch before copying it): the labelled rows
+        are then gathered without asking the device how many there are, which on a GPU is a
+        wait for all the work queued before it. It must be exact."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         if self.generator is not None:
@@ -201,7 +222,7 @@ class BertForPreTraining(nn.Module):
             flat_labels = layout.select(labels)
             if enc.rows is not None:
                 flat_labels = flat_labels.index_select(0, enc.rows)
-            rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+            rows = labelled_rows(flat_labels, num_labelled)
             mlm_labels = flat_labels.index_select(0, rows)
             logits = heads.predictions(seq.reshape(-1, seq.shape[-1]).index_select(0, rows))
         else:
@@ -218,7 +239,7 @@ class BertForPreTraining(nn.Module):
                 # log-softmax and gradient (3 x 4 GB at BERT-base b256 L128), where ~15% of the
                 # rows count.  Same value (the mean over the labelled rows).
                 flat_labels = labels.reshape(-1)
-                rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+                rows = labelled_rows(flat_labels, num_labelled)
                 mlm_loss = F.cross_entropy(
                     logits.reshape(-1, logits.shape[-1]).index_select(0, rows).float(),
                     flat_labels.index_select(0, rows), reduction=loss_reduction)

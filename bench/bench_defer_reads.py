@@ -1,0 +1,112 @@
+"""What deferred reads (`trainer.defer_reads`, docs/training.md) cost or gain per training step:
+two `Trainer`s of the same run in one process, one deferring and one reading every step, taking
+steps in turn (who goes first swapped every step, so a machine that slows down slows both
+alike), each step timed until its numbers are on the host (`StepResult.settle`, what the
+deferring trainer does at its next log). Per run: the median step time of each over the steps
+after --skip; reported: the median of the runs with the min-max spread, their ratio, and the
+other processes' load during each run.
+
+    python bench/bench_defer_reads.py --data prepared/sst2_imdb_64 --runs 3
+
+On a CPU nothing is asynchronous, so the two should be level (a cost check); on a GPU the
+deferring trainer's host prepares the next step while the device finishes the last. Both
+trainers take the same batches and end with the same losses (checked at the end of each run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from benchlib import OtherLoad, median_and_range  # noqa: E402
+
+
+def make_trainer(args, run_dir: str, defer: bool):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from bert_pretrain.config import register, settings
+    from bert_pretrain.trainer import Trainer
+
+    overrides = [f"experiment={args.experiment}", f"data.dir={args.data}", f"run_dir={run_dir}",
+                 "trainer.eval_every=1000000", "trainer.checkpoint_every=1000000",
+                 "trainer.progress_bar=false", "trainer.report=false",
+                 f"trainer.defer_reads={str(defer).lower()}", *args.set]
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf" / "train"), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    return Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
+
+
+def one_run(args) -> dict:
+    work = tempfile.mkdtemp(prefix="bench_defer_reads_")
+    trainers = {}
+    try:
+        trainers = {d: make_trainer(args, f"{work}/{d}", d) for d in (True, False)}
+        if not trainers[True].defer_reads:
+            sys.exit("bench_defer_reads: this run can not defer its reads (several processes, "
+                     "fp16's scaler or a non-fused optimizer): nothing to compare")
+        times = {True: [], False: []}
+        load = OtherLoad()
+        for i in range(args.steps):
+            for d in ((True, False) if i % 2 == 0 else (False, True)):
+                start = time.perf_counter()
+                trainers[d].train_step().settle()
+                times[d].append(time.perf_counter() - start)
+        other = load.cores()
+        last = {d: trainers[d].train_step().settle().loss for d in trainers}
+        if last[True] != last[False]:
+            sys.exit(f"bench_defer_reads: the two trainers' losses differ ({last[True]} against "
+                     f"{last[False]}): deferring must not change a number")
+        deferred, read = (statistics.median(times[d][args.skip:]) * 1e3 for d in (True, False))
+        return {"deferred_ms": deferred, "read_ms": read, "ratio": deferred / read,
+                "other_load_cores": other, "device": str(trainers[True].accelerator.device)}
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", required=True, help="a bert-prep output folder")
+    p.add_argument("--experiment", default="domain_mini")
+    p.add_argument("--set", nargs="*", default=[], help="more bert-train overrides")
+    p.add_argument("--steps", type=int, default=300, help="steps of each trainer per run")
+    p.add_argument("--skip", type=int, default=50, help="first steps left out (warm-up)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "defer_reads.json"))
+    args = p.parse_args(argv)
+    if not 0 <= args.skip < args.steps:
+        sys.exit("bench_defer_reads: --skip must be below --steps")
+    runs = []
+    for r in range(args.runs):
+        runs.append(one_run(args))
+        row = runs[-1]
+        print(f"run {r + 1}: deferred {row['deferred_ms']:.1f} ms, read every step "
+              f"{row['read_ms']:.1f} ms, ratio {row['ratio']:.3f}, other load "
+              f"{row['other_load_cores']:.2f} cores", flush=True)
+    summary = median_and_range(runs, ["deferred_ms", "read_ms", "ratio", "other_load_cores"])
+    print(f"\n| {args.experiment} on {runs[0]['device']} | ms a step, median (min-max) of "
+          f"{args.runs} runs |\n|---|---:|")
+    for key, label in (("deferred_ms", "deferred reads (the default)"),
+                       ("read_ms", "trainer.defer_reads=false"),
+                       ("ratio", "deferred / read"), ("other_load_cores", "other load, cores")):
+        lo, hi = summary[key + "_range"]
+        print(f"| {label} | {summary[key]:.3f} ({lo:.3f}-{hi:.3f}) |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary},
+                                         indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""bench/bench_defer_reads.py compares what it names: one trainer deferring its reads, one
+reading every step, the same losses; a run that can not defer is refused, not timed as one."""
+import json
+import os
+import sys
+
+import pytest
+
+from train_support import REPO, write_prepared
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import bench_defer_reads  # noqa: E402
+
+TINY = ["--experiment", "smoke", "--steps", "6", "--skip", "2", "--runs", "2",
+        "--set", "trainer.mixed_precision=no"]
+
+
+def test_both_trainers_take_steps_and_are_compared(tmp_path, capsys):
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    out = tmp_path / "defer.json"
+    bench_defer_reads.main(["--data", data, *TINY, "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert len(result["runs"]) == 2
+    for row in result["runs"]:
+        assert row["deferred_ms"] > 0 and row["read_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["deferred_ms"] / row["read_ms"])
+    assert "| deferred / read |" in capsys.readouterr().out
+
+
+def test_a_run_that_can_not_defer_is_refused(tmp_path):
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    with pytest.raises(SystemExit, match="can not defer its reads"):
+        bench_defer_reads.main(["--data", data, *TINY, "--set", "trainer.mixed_precision=no",
+                                "optim.fused=false", "--out", str(tmp_path / "x.json")])
