@@ -98,11 +98,15 @@ def test_a_deferred_step_reads_nothing_back_until_settled(tmp_path, synthetic, m
     assert numbers == read
 
 
-@pytest.mark.parametrize("precision", ["no", "bf16"])
+@pytest.mark.parametrize("precision,extra", [
+    ("no", []), ("bf16", []),
+    ("no", ["trainer.micro_batch_size=2"]),   # 4 micro-batches a step: their sums deferred
+    ("no", ["model.generator_layers=1"]),      # ELECTRA: the discriminator's loss joins
+], ids=["fp32", "bf16", "accumulation", "electra"])
 def test_a_deferred_run_logs_saves_and_resumes_as_one_reading_every_step(
-        tmp_path, synthetic, precision):
+        tmp_path, synthetic, precision, extra):
     deferred, read = tmp_path / "deferred", tmp_path / "read"
-    common = ["trainer.max_steps=10", f"trainer.mixed_precision={precision}"]
+    common = ["trainer.max_steps=10", f"trainer.mixed_precision={precision}", *extra]
     train_in_process(overrides(synthetic, deferred, *common))
     train_in_process(overrides(synthetic, read, *common, READ_EVERY_STEP))
     assert without_timing(read_metrics(deferred)) == without_timing(read_metrics(read))
