@@ -1,16 +1,19 @@
 """What deferred reads (`trainer.defer_reads`, docs/training.md) cost or gain per training step:
 two `Trainer`s of the same run in one process, one deferring and one reading every step, taking
-steps in turn (who goes first swapped every step, so a machine that slows down slows both
-alike), each step timed until its numbers are on the host (`StepResult.settle`, what the
-deferring trainer does at its next log). Per run: the median step time of each over the steps
-after --skip; reported: the median of the runs with the min-max spread, their ratio, and the
-other processes' load during each run.
+windows of --window steps in turn (who goes first swapped every window, so a machine that slows
+down slows both alike). A window ends as a log step does: its steps are settled (their numbers
+brought to the host), so its time is what the steps cost with the reads each mode makes, and
+the deferring trainer's host may run ahead of the device within the window as it does in a run.
+Per run: the median per-step time of each over the windows after --skip steps; reported: the
+median of the runs with the min-max spread, their ratio, and the other processes' load during
+each run.
 
     python bench/bench_defer_reads.py --data prepared/sst2_imdb_64 --runs 3
 
 On a CPU nothing is asynchronous, so the two should be level (a cost check); on a GPU the
 deferring trainer's host prepares the next step while the device finishes the last. Both
-trainers take the same batches and end with the same losses (checked at the end of each run).
+trainers take the same batches and end with the same losses, and the deferring one must still
+hold every step's numbers on the device when its window ends (both checked in each run).
 """
 
 from __future__ import annotations
@@ -56,18 +59,28 @@ def one_run(args) -> dict:
             sys.exit("bench_defer_reads: this run can not defer its reads (several processes, "
                      "fp16's scaler or a non-fused optimizer): nothing to compare")
         times = {True: [], False: []}
+        held = {True: 0, False: 0}
         load = OtherLoad()
-        for i in range(args.steps):
+        for i in range(args.steps // args.window):
             for d in ((True, False) if i % 2 == 0 else (False, True)):
                 start = time.perf_counter()
-                trainers[d].train_step().settle()
-                times[d].append(time.perf_counter() - start)
+                results = [trainers[d].train_step() for _ in range(args.window)]
+                held[d] += sum(r.held for r in results)
+                for r in results:
+                    r.settle()
+                times[d].append((time.perf_counter() - start) / args.window)
         other = load.cores()
         last = {d: trainers[d].train_step().settle().loss for d in trainers}
         if last[True] != last[False]:
             sys.exit(f"bench_defer_reads: the two trainers' losses differ ({last[True]} against "
                      f"{last[False]}): deferring must not change a number")
-        deferred, read = (statistics.median(times[d][args.skip:]) * 1e3 for d in (True, False))
+        steps = len(times[True]) * args.window
+        if held[True] != steps or held[False]:
+            sys.exit(f"bench_defer_reads: the deferring trainer held {held[True]} of {steps} "
+                     f"steps' numbers to the window's end and the reading one {held[False]}: "
+                     f"the two modes are not what they say")
+        skip = -(-args.skip // args.window)  # windows with any warm-up step in them
+        deferred, read = (statistics.median(times[d][skip:]) * 1e3 for d in (True, False))
         return {"deferred_ms": deferred, "read_ms": read, "ratio": deferred / read,
                 "other_load_cores": other, "device": str(trainers[True].accelerator.device)}
     finally:
@@ -82,12 +95,17 @@ def main(argv=None) -> None:
     p.add_argument("--experiment", default="domain_mini")
     p.add_argument("--set", nargs="*", default=[], help="more bert-train overrides")
     p.add_argument("--steps", type=int, default=300, help="steps of each trainer per run")
+    p.add_argument("--window", type=int, default=10,
+                   help="steps a trainer takes in turn before its numbers are read (a log step)")
     p.add_argument("--skip", type=int, default=50, help="first steps left out (warm-up)")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "defer_reads.json"))
     args = p.parse_args(argv)
-    if not 0 <= args.skip < args.steps:
-        sys.exit("bench_defer_reads: --skip must be below --steps")
+    if args.window < 1:
+        sys.exit("bench_defer_reads: --window must be at least 1")
+    windows, skipped = args.steps // args.window, -(-args.skip // args.window)
+    if args.skip < 0 or skipped >= windows:
+        sys.exit("bench_defer_reads: --skip must leave at least one whole window of --steps")
     runs = []
     for r in range(args.runs):
         runs.append(one_run(args))
@@ -96,8 +114,8 @@ def main(argv=None) -> None:
               f"{row['read_ms']:.1f} ms, ratio {row['ratio']:.3f}, other load "
               f"{row['other_load_cores']:.2f} cores", flush=True)
     summary = median_and_range(runs, ["deferred_ms", "read_ms", "ratio", "other_load_cores"])
-    print(f"\n| {args.experiment} on {runs[0]['device']} | ms a step, median (min-max) of "
-          f"{args.runs} runs |\n|---|---:|")
+    print(f"\n| {args.experiment} on {runs[0]['device']}, windows of {args.window} steps | ms a "
+          f"step, median (min-max) of {args.runs} runs |\n|---|---:|")
     for key, label in (("deferred_ms", "deferred reads (the default)"),
                        ("read_ms", "trainer.defer_reads=false"),
                        ("ratio", "deferred / read"), ("other_load_cores", "other load, cores")):

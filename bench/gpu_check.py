@@ -14,7 +14,9 @@ H100); a stage that no longer fits is listed as not run:
   3. train           bert-prep (the built-in corpus, or --corpus FILE), bert-train
                      experiment=gpu_mini for --train-seconds, then a resume of a copy for a
                      twentieth of that;
-                     tokens/s against the bench's step rate at the same shape
+                     tokens/s against the bench's step rate at the same shape; then
+                     bench_defer_reads.py at that shape (deferred reads against reading every
+                     step, windows of the 50-step log interval)
   4. glue            with --glue DIR (GLUE's SST-2/ folder): bert-finetune on SST-2 (8,000
                      sentences; --glue-labels 8000 1000 adds the 1,000-label rows) for the
                      trained model and its random-init control, 5 rates x 3 seeds each, one
@@ -260,15 +262,16 @@ def stage_train(c: Check) -> None:
     records = [prep]
     run_dir = c.out / "run_gpu_mini"
     seconds = c.args.train_seconds
+    sizes = []  # gpu_mini's, or tiny ones for the plumbing check; the bench below takes them too
+    if quick:
+        sizes += ["model=bert_tiny", "trainer.global_batch_size=8", "trainer.warmup_steps=2",
+                  "trainer.log_every=2", "trainer.eval_max_samples=16",
+                  "trainer.checkpoint_every=1000000"]
+    if c.args.device != "cuda":
+        sizes += ["trainer.cpu=true"]
     common = [sys.executable, "-m", "bert_pretrain.train", "experiment=gpu_mini",
               f"data.dir={data}", f"run_dir={run_dir}", "trainer.progress_bar=false",
-              "trainer.report=false"]
-    if quick:
-        common += ["model=bert_tiny", "trainer.global_batch_size=8", "trainer.warmup_steps=2",
-                   "trainer.log_every=2", "trainer.eval_max_samples=16",
-                   "trainer.checkpoint_every=1000000"]
-    if c.args.device != "cuda":
-        common += ["trainer.cpu=true"]
+              "trainer.report=false", *sizes]
     first_windows = 0
     # the training's rate is held against the bench's, which runs alone: say whether the suite
     # shared the machine (on the H200 it did, and the rate was 0.74x the bench's)
@@ -287,6 +290,15 @@ def stage_train(c: Check) -> None:
             records.append(c.run("train", "bert_train_resume", common + [
                 f"run_dir={resumed}", "resume=auto", f"trainer.budget_hours={hours * 1.05}"],
                 cap=seconds / 20 + 120))
+        # What deferred reads gain on this device: gpu_mini's trainer deferring and the same
+        # trainer reading every step, windows of its log interval in turn (bench_defer_reads.py).
+        # By steps, not the time budget: two trainers on one clock would take different lrs.
+        steps = ["--steps", "4", "--window", "2", "--skip", "0", "--runs", "1"] if quick else \
+            ["--steps", "200", "--window", "50", "--skip", "50", "--runs", "3"]
+        records.append(c.run("train", "bench_defer_reads", [
+            sys.executable, "bench/bench_defer_reads.py", "--data", data,
+            "--experiment", "gpu_mini", *steps, "--out", c.out / "defer_reads.json",
+            "--set", *sizes, "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=150))
     c.results["train"] = dict(stage="train", runs=records, run_dir=str(run_dir),
                               resumed_dir=str(c.out / "run_gpu_mini_resumed"),
                               first_run_records=first_windows,
@@ -417,6 +429,20 @@ def _train_rates(c: Check) -> dict:
         final_eval={k: v for r in records for k, v in r.items() if k.startswith("eval_")})
 
 
+def _defer_lines(c: Check) -> list[str]:
+    path = c.out / "defer_reads.json"
+    if not path.is_file():
+        return []
+    result = json.loads(path.read_text())
+    summary, args = result["summary"], result["args"]
+    cells = {k: f"{summary[k]:.3f} ({summary[k + '_range'][0]:.3f}-"
+                f"{summary[k + '_range'][1]:.3f})" for k in ("deferred_ms", "read_ms", "ratio")}
+    return ["", f"## Deferred reads (bench_defer_reads.py, gpu_mini, windows of "
+                f"{args['window']} steps, median of {len(result['runs'])} runs, min-max)", "",
+            f"{cells['deferred_ms']} ms a step deferring against {cells['read_ms']} reading "
+            f"every step (`trainer.defer_reads=false`): ratio {cells['ratio']}."]
+
+
 def _glue_results(c: Check) -> dict:
     """{(training sentences, epochs): {init: {lr: (median, min, max)}}} from the fine-tunes'
     finetune.json files."""
@@ -501,6 +527,7 @@ def write_summary(c: Check, env: dict) -> str:
                      if rates["resume_tokens_per_s"] else "did not run")
                   + f"; {rates['last_step']} steps in all.",
                   f"Final evaluation: {json.dumps(rates['final_eval'])}"]
+    lines += _defer_lines(c)
     lines += _glue_lines(c)
     text = "\n".join(lines) + "\n"
     (c.out / "summary.md").write_text(text)

@@ -67,6 +67,11 @@ class StepResult:
         self.step = step
         """The step count after this step."""
 
+    @property
+    def held(self) -> bool:
+        """Whether some of the step's numbers are still on the device, not yet read."""
+        return any(isinstance(v, torch.Tensor) for v in self._held.values())
+
     def settle(self) -> "StepResult":
         """The held tensors as Python numbers (one wait for the device, the first time)."""
         for key, value in self._held.items():

@@ -11,7 +11,7 @@ from train_support import REPO, write_prepared
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import bench_defer_reads  # noqa: E402
 
-TINY = ["--experiment", "smoke", "--steps", "6", "--skip", "2", "--runs", "2",
+TINY = ["--experiment", "smoke", "--steps", "6", "--window", "2", "--skip", "2", "--runs", "2",
         "--set", "trainer.mixed_precision=no"]
 
 
@@ -32,3 +32,21 @@ def test_a_run_that_can_not_defer_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="can not defer its reads"):
         bench_defer_reads.main(["--data", data, *TINY, "--set", "trainer.mixed_precision=no",
                                 "optim.fused=false", "--out", str(tmp_path / "x.json")])
+
+
+def test_a_deferring_trainer_that_reads_before_the_window_ends_is_refused(tmp_path, monkeypatch):
+    """The bench's own check: were the deferring trainer to read every step (as a regression
+    of trainer.py might make it), its windows would time the reading mode twice over."""
+    from bert_pretrain.trainer import Trainer
+
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    step = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: step(self).settle())
+    with pytest.raises(SystemExit, match="held 0 of 6 steps"):
+        bench_defer_reads.main(["--data", data, *TINY, "--out", str(tmp_path / "x.json")])
+
+
+def test_steps_that_leave_no_window_after_the_warm_up_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="at least one whole window"):
+        bench_defer_reads.main(["--data", str(tmp_path), "--steps", "10", "--window", "4",
+                                "--skip", "5"])

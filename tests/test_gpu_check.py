@@ -57,7 +57,7 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
                for r in stage.get("runs", [stage])}
     statuses = {name: r["status"] for name, r in records.items()}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
-                        "bert_train": "ok", "bert_train_resume": "ok",
+                        "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
     # the compile bench comes last, after the suites
@@ -69,6 +69,11 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
                                                       "ours-varlen-nested"}
     assert results["train"]["median_tokens_per_s"] > 0
     assert results["train"]["resume_tokens_per_s"] > 0
+    # the A/B of deferred reads, on the trained model's shape (its JSON says both modes ran)
+    defer = json.loads((out / "defer_reads.json").read_text())
+    assert defer["args"]["experiment"] == "gpu_mini" and defer["runs"][0]["read_ms"] > 0
+    assert "model=bert_tiny" in defer["args"]["set"]
+    assert "## Deferred reads (bench_defer_reads.py, gpu_mini, windows of 2 steps" in summary
     # the control beside the model, the gap said
     assert "| pretrained | " in summary and "| random | " in summary
     assert "Pretrained minus random init: " in summary
@@ -98,7 +103,7 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
     statuses = {r["name"]: r["status"] for stage in results["stages"].values()
                 for r in stage.get("runs", [stage])}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
-                        "bert_train": "ok", "bert_train_resume": "ok",
+                        "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "finetune_pretrained_1e-4_n1000": "ok", "finetune_random_1e-4_n1000": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
