@@ -189,12 +189,13 @@ def install(args):
         acc.backward(self.precision.scale(loss))
         params = [p for p in self.model.parameters() if p.grad is not None]
         self.precision.unscale(self.optimizer)
-        self.grad_norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf))
-        finite = math.isfinite(float(loss.detach())) and math.isfinite(self.grad_norm)
+        grad_norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf))
+        finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)
         applied = self.precision.step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self._count_skips(applied)
-        return float(ce.detach().mean()), bool(self.stop.requested)
+        # (read on the host: the loop counts the skip and logs the supervised loss)
+        return runner.StepNumbers(self.step + 1, float(ce.detach().mean()), grad_norm,
+                                  applied), bool(self.stop.requested)
 
     plain_step = runner.FineTune.train_step
     runner.FineTune.train_step = train_step

@@ -234,3 +234,41 @@ def test_a_gpu_step_waits_neither_for_its_numbers_nor_for_its_labelled_rows(tmp_
         assert all(r.updated and r.loss == r.loss for r in results)
     finally:
         trainer.close()
+
+
+@cuda
+def test_a_gpu_fine_tuning_step_waits_for_none_of_its_numbers(tmp_path, monkeypatch):
+    """bert-finetune's deferred reads (finetune/runner.py): steps 2-4 of a bf16 fine-tune on
+    the GPU, under torch's sync debug mode; no wait may come from the fine-tuning step, the
+    optimizer, the batch's copy or the classifier (any other is printed, not refused)."""
+    import warnings
+
+    from bert_pretrain.finetune.runner import FineTune
+    from finetune_support import FAST, finetune_in_process, pretrained_run, sentence_task
+
+    run, task = pretrained_run(str(tmp_path)), sentence_task(str(tmp_path / "task"))
+    real_step, caught, deferred = FineTune.train_step, [], []
+
+    def step(self):
+        if not 1 <= self.step <= 3:  # (the first step sets up the optimizer's state)
+            return real_step(self)
+        deferred.append(self.defer_reads and next(self.raw_model.parameters()).is_cuda)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real_step(self)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                caught.extend(seen)
+
+    monkeypatch.setattr(FineTune, "train_step", step)
+    finetune_in_process([*task, f"model={run}", *FAST, "recipe.epochs=1",
+                         "trainer.mixed_precision=bf16", "trainer.log_every=100",
+                         "+impl.unpad=false", f"out_dir={tmp_path / 'out'}"])
+    waits = [f"{os.path.basename(w.filename)}:{w.lineno}" for w in caught
+             if "synchroniz" in str(w.message)]
+    print("waits for the GPU in 3 fine-tuning steps:", waits)
+    assert deferred == [True] * 3
+    ours = {"runner.py", "precision.py", "evaluation.py", "optim.py", "classifier.py", "bert.py"}
+    assert not [w for w in waits if w.split(":")[0] in ours], waits

@@ -126,6 +126,10 @@ class FinetuneTrainerConfig:
     save_model: str = "best"
     """best: keep the fine-tuned model of the best learning rate's median seed (a
     transformers BertForSequenceClassification directory); all: every run's; none."""
+    defer_reads: bool = True
+    """As bert-train's: read each step's loss, gradient norm and skip decision at the next
+    log, checkpoint or end, not every step, where the fine-tune allows it (one process, torch's
+    fused AdamW, no fp16 loss scaler); the same numbers and weights either way."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and self.micro_batch_size < 1:

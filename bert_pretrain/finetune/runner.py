@@ -26,6 +26,7 @@ import torch
 
 from ..errors import ConfigError, TrainingError, UserError
 from . import scoring
+from ..components.evaluation import model_inputs
 from .batches import TrainOrder, collate, eval_batches
 
 RESULT_FILE = "result.json"
@@ -39,6 +40,23 @@ _LAYER = re.compile(r"bert\.encoder\.layer\.(\d+)\.")
 
 class Stopped(UserError):
     """SIGTERM / Ctrl-C: the fine-tune saved where it was; the same command continues it."""
+
+
+class StepNumbers:
+    """One fine-tuning step's loss, gradient norm and whether it was applied: numbers, or (a
+    fine-tune that defers its reads) 0-d device tensors until `settle` reads them, at the next
+    log, checkpoint or stop, as bert-train does (trainer.py: StepResult)."""
+
+    def __init__(self, step: int, loss, grad_norm, applied):
+        self.step = step
+        """The step count after this step (1 for the first)."""
+        self.loss, self.grad_norm, self.applied = loss, grad_norm, applied
+
+    def settle(self) -> "StepNumbers":
+        if isinstance(self.loss, torch.Tensor):
+            self.loss, self.grad_norm = self.loss.item(), self.grad_norm.item()
+            self.applied = bool(self.applied)
+        return self
 
 
 def dropout_seed(seed: int, step: int, micro_index: int) -> int:
@@ -159,7 +177,7 @@ class FineTune:
         self.run_dir = run_dir
         self.recipe, self.tc = job.settings.recipe, job.settings.trainer
         self.identity = run_identity(job, lr, seed)
-        self.stop, self._window = _NoStop(), []
+        self.stop, self._window, self.pending = _NoStop(), [], []
         self.trained = False
         """Whether `run` fine-tuned (rather than read back a finished result)."""
 
@@ -189,14 +207,22 @@ class FineTune:
         self.stop = StopRequest()
         try:
             while self.step < self.order.num_steps:
-                loss, stopping = self.train_step()
+                numbers, stopping = self.train_step()
                 self.step += 1
-                self.elapsed = time.perf_counter() - start_time
-                self._log(loss)
+                self.pending.append(numbers)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{self.current_lr:.1e}")
-                if stopping or (self.step % self.tc.checkpoint_every == 0
-                                and self.step < self.order.num_steps):
+                save = stopping or (self.step % self.tc.checkpoint_every == 0
+                                    and self.step < self.order.num_steps)
+                logged = self.step % self.tc.log_every == 0 or \
+                    self.step == self.order.num_steps
+                if save or logged or not self.defer_reads:
+                    self.settle()  # (any wait for the device counts as training time)
+                    bar.set_postfix(loss=f"{self._window[-1]:.3f}" if self._window else "-",
+                                    lr=f"{self.current_lr:.1e}")
+                self.elapsed = time.perf_counter() - start_time
+                if logged:
+                    self._log()
+                if save:
                     self.save()
                 if stopping:
                     raise Stopped(f"stopped at step {self.step} of {self.order.num_steps} in "
@@ -267,6 +293,11 @@ class FineTune:
         self.step, self.elapsed, self.current_lr = 0, 0.0, 0.0
         self.applied, self.nonfinite = 0, 0  # steps applied; consecutive ones skipped
         self.precision = session.new_precision()
+        # One process whose fused AdamW skips a non-finite step on the device: a step need not
+        # wait for the device before the host prepares the next (bert-train's deferred reads).
+        self.defer_reads = self.tc.defer_reads and session.world == 1 and \
+            self.precision.defers_reads(self.optimizer)
+        self.pending = []
         # The pretraining protocol, as the trainer runs it: the main process repairs, finds
         # (resume=auto) and, once the checkpoint is known to be usable, begins the line there.
         self.checkpoints = CheckpointManager(self.run_dir, self.tc.keep_last_k, session.rank,
@@ -287,6 +318,7 @@ class FineTune:
                 ckpt.set_rng_state(rng)
             self.step, self.elapsed = int(state["step"]), float(state["elapsed_seconds"])
             self.applied = int(state.get("applied_steps", self.step))
+            self._window = [float(x) for x in state.get("log_window", [])]
         if session.main:
             from ..components.metrics import truncate_jsonl
 
@@ -318,29 +350,48 @@ class FineTune:
         for j, index in enumerate(batches):
             torch.manual_seed(dropout_seed(self.seed, self.step,
                                            s.rank * self.order.accumulation + j))
-            inputs = {k: v.to(acc.device) for k, v in collate(self.job.train, index).items()}
+            inputs = model_inputs(collate(self.job.train, index), acc.device)
             last = j == len(batches) - 1
             with contextlib.nullcontext() if last else acc.no_sync(self.model):
                 with self.precision.autocast():
                     out = self.model(**inputs, loss_reduction="sum")
                 acc.backward(self.precision.scale(out.loss * scale))
             sums[0] += out.loss.detach().double()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.defer_reads:
+            # The same arithmetic as below, on the device and not read: the fused AdamW skips a
+            # non-finite step there, and `settle` reads the numbers at the next log.
+            loss = sums[0] / recipe.batch_size
+            grad_norm = acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf)
+            applied = torch.isfinite(loss) & torch.isfinite(grad_norm)
+            self.precision.step_on_device(self.optimizer, applied)
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepNumbers(self.step + 1, loss, grad_norm, applied), self.stop.requested
         sums[1] = float(self.stop.requested)
         if s.world > 1:
             sums = acc.reduce(sums, reduction="sum")
         loss = sums[0].item() / recipe.batch_size
-        params = [p for p in self.model.parameters() if p.grad is not None]
         # Unscaled first (fp16), then measured and clipped: a norm of the scaled gradients is
         # the loss scale (2^16) times too large, and clipping it shrinks the step to nothing.
         self.precision.unscale(self.optimizer)
-        self.grad_norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf))
-        finite = math.isfinite(loss) and math.isfinite(self.grad_norm)
+        grad_norm = float(acc.clip_grad_norm_(params, recipe.max_grad_norm or math.inf))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
         applied = self.precision.step(self.optimizer, finite)
         self.optimizer.zero_grad(set_to_none=True)
-        self._count_skips(applied)
-        return loss, sums[1].item() > 0
+        return StepNumbers(self.step + 1, loss, grad_norm, applied), sums[1].item() > 0
 
-    def _count_skips(self, applied: bool) -> None:
+    def settle(self) -> None:
+        """Bring the steps since the last settle to the host, in order: their losses join the
+        log window, the last one's gradient norm is the one logged, and skipped steps are
+        counted (which may stop the fine-tune; nothing is saved after such a step)."""
+        pending, self.pending = self.pending, []
+        for numbers in pending:
+            numbers.settle()
+            self._count_skips(numbers.applied, numbers.step)
+            self._window.append(numbers.loss)
+            self.grad_norm = numbers.grad_norm
+
+    def _count_skips(self, applied: bool, step: int) -> None:
         """fp16: the grad scaler skips a step with inf/nan gradients and lowers its scale,
         which takes a few steps at the start; beyond that (and in any other precision at the
         first such step) the fine-tune has diverged."""
@@ -352,15 +403,14 @@ class FineTune:
             if self.precision.scaler is not None else 1
         if self.nonfinite >= limit:
             raise TrainingError(f"the fine-tuning loss or gradient was non-finite for "
-                                f"{self.nonfinite} consecutive steps (step {self.step + 1}, lr "
+                                f"{self.nonfinite} consecutive steps (step {step}, lr "
                                 f"{self.lr:g}); lower recipe.lrs or use "
                                 f"trainer.mixed_precision=no")
 
-    def _log(self, loss: float) -> None:
+    def _log(self) -> None:
+        """The log window's record (every log_every steps and the last; settled first)."""
         if not self.session.main:
-            return
-        self._window.append(loss)
-        if self.step % self.tc.log_every and self.step != self.order.num_steps:
+            self._window = []
             return
         record = {"step": self.step, "loss": float(np.mean(self._window)),
                   "lr": self.current_lr, "grad_norm": self.grad_norm,
@@ -374,12 +424,16 @@ class FineTune:
 
     # ------------------------------------------------------------------ saving, scoring
     def save(self) -> str:
+        self.settle()  # (the applied count is saved; a step that stops the fine-tune is not)
         s = self.session
         return self.checkpoints.save(
             self.step, model=self.raw_model, optimizer_state=self.optimizer.state_dict(),
             extra_state={"scaler": self.precision.state_dict()},
             train_state={"identity": self.identity, "elapsed_seconds": self.elapsed,
                          "applied_steps": self.applied,
+                         # the log window's losses so far: a resume's next record averages
+                         # the same steps as the uninterrupted fine-tune's
+                         "log_window": list(self._window),
                          "world_size": s.world, "num_steps": self.order.num_steps,
                          "model_config": self.raw_model.config.to_dict(),
                          "num_labels": self.raw_model.num_labels},
@@ -416,6 +470,7 @@ class FineTune:
         from .export import save_classifier
 
         s = self.session
+        self.settle()
         if self.applied == 0:
             raise TrainingError(f"no step of the fine-tune was applied (all {self.step} had "
                                 f"non-finite gradients, lr {self.lr:g}): its score would be "
