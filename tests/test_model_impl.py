@@ -430,22 +430,29 @@ def assert_compiled(model) -> None:
     assert dynamo_utils.counters["stats"]["unique_graphs"] >= 2, dict(dynamo_utils.counters)
 
 
-@pytest.mark.parametrize("switches", [
-    dict(),                                            # the CPU defaults: unpadded, thinned last layer
-    dict(unpad=False, sparse_last_layer=False),        # a GPU's defaults
-    dict(sparse_prediction=False),                     # dense logits, loss over the labelled rows
-], ids=["cpu-defaults", "gpu-defaults", "dense"])
-def test_a_labelled_count_from_the_host_gives_the_same_step(switches):
+@pytest.mark.parametrize("switches,electra", [
+    (dict(), False),                                   # the CPU defaults: unpadded, thinned last layer
+    (dict(unpad=False, sparse_last_layer=False), False),  # a GPU's defaults
+    (dict(sparse_prediction=False), False),            # dense logits, loss over the labelled rows
+    (dict(), True),                                    # ELECTRA: the generator's rows
+    (dict(unpad=False, sparse_last_layer=False), True),
+], ids=["cpu-defaults", "gpu-defaults", "dense", "electra-cpu", "electra-gpu"])
+def test_a_labelled_count_from_the_host_gives_the_same_step(switches, electra):
     """`num_labelled` (a trainer's count of its batch) gathers the labelled rows at a given
     size instead of asking the device: the same losses, logits and gradients, bit for bit; a
     count that does not match the labels is refused where checking it costs no wait."""
-    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                      generator_layers=1 if electra else 0)
     torch.manual_seed(0)
     model = BertForPreTraining(cfg, ModelImpl(**switches)).train()
     batch = make_batch(cfg)
     count = int((batch["labels"] != -100).sum())
+    torch.manual_seed(1)  # (ELECTRA samples its replacements)
     plain_out, plain_grads = run_step(model, batch)
+    torch.manual_seed(1)
     out, grads = run_step(model, batch, num_labelled=count)
+    if electra:
+        assert torch.equal(out.rtd_loss, plain_out.rtd_loss) and out.rtd_loss > 0
     assert torch.equal(out.loss, plain_out.loss)
     assert torch.equal(out.prediction_logits, plain_out.prediction_logits)
     assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)

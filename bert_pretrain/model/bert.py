@@ -206,7 +206,8 @@ class BertForPreTraining(nn.Module):
         if self.generator is not None:
             return self._replaced_token_forward(input_ids, attention_mask, token_type_ids, labels,
                                                 next_sentence_label, output_attentions,
-                                                output_hidden_states, loss_reduction)
+                                                output_hidden_states, loss_reduction,
+                                                num_labelled)
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
         if sparse and self.impl.resolved_sparse_last_layer(input_ids.device.type):
@@ -265,7 +266,7 @@ class BertForPreTraining(nn.Module):
 
     def _replaced_token_forward(self, input_ids, attention_mask, token_type_ids, labels,
                                 next_sentence_label, output_attentions, output_hidden_states,
-                                loss_reduction) -> PreTrainingOutput:
+                                loss_reduction, num_labelled=None) -> PreTrainingOutput:
         """ELECTRA: the generator predicts the masked tokens (MLM loss, its `prediction_logits`
         sparse over the labelled rows as `impl.sparse_prediction`'s); a token sampled from each
         prediction replaces the input there; the encoder reads the result and scores every real
@@ -287,7 +288,7 @@ class BertForPreTraining(nn.Module):
                                      seq_relationship_logits=nsp_logits,
                                      hidden_states=enc.hidden_states, attentions=enc.attentions)
         flat_labels = layout.select(labels)
-        rows = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)
+        rows = labelled_rows(flat_labels, num_labelled)
         mlm_labels = flat_labels.index_select(0, rows)
         logits = self.cls.predictions(gen.reshape(-1, gen.shape[-1]).index_select(0, rows))
         mlm_loss = F.cross_entropy(logits.float(), mlm_labels, reduction=loss_reduction)
