@@ -418,7 +418,9 @@ class Trainer:
             # whole unsharded gradients between micro-batches, the memory sharding saves)
             with contextlib.nullcontext() if last or self.sharded else acc.no_sync(self.model):
                 with precision.autocast():
-                    out = self.model(**inputs, loss_reduction="sum", num_labelled=labelled[j])
+                    out = self.model(**inputs, loss_reduction="sum", num_labelled=labelled[j],
+                                     **({"num_real": int(batch["num_tokens"])}
+                                        if self.model_cfg.generator_layers else {}))
                 # x world: DDP and FSDP average gradients over processes, the global batch
                 # sums them.
                 loss = out.mlm_loss * (self.world / num_mlm)

@@ -449,10 +449,16 @@ def test_a_labelled_count_from_the_host_gives_the_same_step(switches, electra):
     count = int((batch["labels"] != -100).sum())
     torch.manual_seed(1)  # (ELECTRA samples its replacements)
     plain_out, plain_grads = run_step(model, batch)
+    real = {"num_real": int(batch["attention_mask"].sum())} if electra else {}
     torch.manual_seed(1)
-    out, grads = run_step(model, batch, num_labelled=count)
+    out, grads = run_step(model, batch, num_labelled=count, **real)
     if electra:
         assert torch.equal(out.rtd_loss, plain_out.rtd_loss) and out.rtd_loss > 0
+        assert torch.equal(out.rtd_logits, plain_out.rtd_logits)
+        if not switches.get("unpad", True):  # (the padded grid picks its real tokens by count)
+            with pytest.raises(ValueError, match=f"num_real={real['num_real'] + 1}, but the "
+                                                 f"attention mask holds {real['num_real']} real"):
+                model(**batch, num_real=real["num_real"] + 1)
     assert torch.equal(out.loss, plain_out.loss)
     assert torch.equal(out.prediction_logits, plain_out.prediction_logits)
     assert all(torch.equal(grads[k], plain_grads[k]) for k in plain_grads)

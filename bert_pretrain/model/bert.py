@@ -53,17 +53,21 @@ def labelled_rows(flat_labels: torch.Tensor, count: int | None = None) -> torch.
     """Indices of the labels that are not -100, in order. With `count` (exact, known on the
     host) the output size is given, so a GPU need not report it back (torch >= 2.6 has this on
     CUDA; older builds fall back to the plain gather)."""
-    labelled = flat_labels != IGNORE_INDEX
+    return _rows(flat_labels != IGNORE_INDEX, count,
+                 lambda n: f"num_labelled={count}, but the labels hold {n} that are not -100")
+
+
+def _rows(selected: torch.Tensor, count: int | None, mismatch) -> torch.Tensor:
+    """Indices where the bool vector `selected` holds, at the size `count` where given."""
     if count is not None:
-        if labelled.device.type == "cpu" and int(labelled.sum()) != count:
+        if selected.device.type == "cpu" and int(selected.sum()) != count:
             # (checked where it costs no wait: a wrong count would drop or repeat rows)
-            raise ValueError(f"num_labelled={count}, but the labels hold "
-                             f"{int(labelled.sum())} that are not -100")
+            raise ValueError(mismatch(int(selected.sum())))
         try:
-            return torch.nonzero_static(labelled, size=count).squeeze(1)
+            return torch.nonzero_static(selected, size=count).squeeze(1)
         except NotImplementedError:  # no kernel for this device in this torch build
             pass
-    return labelled.nonzero().squeeze(1)
+    return selected.nonzero().squeeze(1)
 
 
 def init_bert_weights(module: nn.Module, std: float) -> None:
@@ -193,21 +197,23 @@ class BertForPreTraining(nn.Module):
                 output_attentions: bool = False,
                 output_hidden_states: bool = False,
                 loss_reduction: str = "mean",
-                num_labelled: int | None = None) -> PreTrainingOutput:
+                num_labelled: int | None = None,
+                num_real: int | None = None) -> PreTrainingOutput:
         """`loss_reduction="sum"` returns summed token / sequence losses, so that a trainer can
         normalise by the counts of a whole global batch rather than of this micro-batch.
         Without `next_sentence_label` there is no NSP loss (`nsp_loss` is None); an MLM-only
         model refuses one. `num_labelled`: how many labels are not -100, where the caller
         knows it on the host (a trainer counts its batch before copying it): the labelled rows
         are then gathered without asking the device how many there are, which on a GPU is a
-        wait for all the work queued before it. It must be exact."""
+        wait for all the work queued before it. It must be exact. `num_real`, the same for the
+        real (not padding) tokens: ELECTRA's detection loss is over those."""
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be mean or sum, got {loss_reduction!r}")
         if self.generator is not None:
             return self._replaced_token_forward(input_ids, attention_mask, token_type_ids, labels,
                                                 next_sentence_label, output_attentions,
                                                 output_hidden_states, loss_reduction,
-                                                num_labelled)
+                                                num_labelled, num_real)
         sparse = self.impl.sparse_prediction and labels is not None
         keep = None
         if sparse and self.impl.resolved_sparse_last_layer(input_ids.device.type):
@@ -266,7 +272,8 @@ class BertForPreTraining(nn.Module):
 
     def _replaced_token_forward(self, input_ids, attention_mask, token_type_ids, labels,
                                 next_sentence_label, output_attentions, output_hidden_states,
-                                loss_reduction, num_labelled=None) -> PreTrainingOutput:
+                                loss_reduction, num_labelled=None,
+                                num_real=None) -> PreTrainingOutput:
         """ELECTRA: the generator predicts the masked tokens (MLM loss, its `prediction_logits`
         sparse over the labelled rows as `impl.sparse_prediction`'s); a token sampled from each
         prediction replaces the input there; the encoder reads the result and scores every real
@@ -305,8 +312,11 @@ class BertForPreTraining(nn.Module):
         rtd_logits = self.discriminator_predictions(enc.sequence_output).reshape(-1)
         rtd_labels = enc.layout.select(replaced).float()
         if not enc.layout.unpadded and attention_mask is not None:
-            real = attention_mask.reshape(-1).bool()
-            rtd_logits, rtd_labels = rtd_logits[real], rtd_labels[real]
+            real = _rows(attention_mask.reshape(-1).bool(), num_real,
+                         lambda n: f"num_real={num_real}, but the attention mask holds {n} "
+                                   f"real tokens")
+            rtd_logits, rtd_labels = rtd_logits.index_select(0, real), \
+                rtd_labels.index_select(0, real)
         rtd_loss = F.binary_cross_entropy_with_logits(rtd_logits.float(), rtd_labels,
                                                       reduction=loss_reduction)
         nsp_logits, nsp_loss = self._nsp(enc, next_sentence_label, loss_reduction)
