@@ -208,3 +208,49 @@ def _glue_row(task: str, a: str, b, label: str) -> list:
         return ["0", "1", "1e", "fiction", "(x)", "(y)", "(ROOT x)", "(ROOT y)", a, b, label,
                 label]
     return ["0", a, b, label]
+
+
+def check_interrupted_fine_tune_resumes(run, out, monkeypatch) -> None:
+    """`run(out_dir)` fine-tunes one lr and seed for 6 steps with trainer.log_every=1 and
+    trainer.checkpoint_every=2 (a pilot's command, say). Killed after step 5, with step 4's
+    checkpoint on disk, the same command continues from step 4 (not over from the start) to
+    the records and score of a run never interrupted."""
+    from bert_pretrain.finetune.runner import FineTune
+
+    def records(folder):
+        (path,) = folder.rglob("metrics.jsonl")
+        return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+                for line in path.read_text().splitlines()]
+
+    def score(folder):
+        (path,) = folder.rglob("result.json")
+        return json.loads(path.read_text())["score"]
+
+    run(out / "straight")
+    log, logged = FineTune._log, []
+
+    def killed_after_step_5(self):
+        log(self)
+        if self.step == 5:
+            raise RuntimeError("killed")
+
+    def counted(self):
+        logged.append(self.step)
+        log(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(FineTune, "_log", killed_after_step_5)
+        try:
+            run(out / "resumed")
+        except SystemExit:  # (Hydra reports the error and exits 1)
+            pass
+        else:
+            raise AssertionError("the fine-tune was not interrupted")
+    assert [p.name for p in (out / "resumed").rglob("step-*")] == ["step-00000004"]
+    with monkeypatch.context() as m:
+        m.setattr(FineTune, "_log", counted)
+        run(out / "resumed")
+    assert logged == [5, 6]  # continued from step 4, not started over
+    assert len(records(out / "straight")) == 7  # 6 steps and the score
+    assert records(out / "resumed") == records(out / "straight")
+    assert score(out / "resumed") == score(out / "straight")

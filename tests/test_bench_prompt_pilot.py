@@ -93,16 +93,21 @@ def _mlm_dir(path, head=True):
     return path
 
 
-def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
+def _task(tmp_path) -> tuple:
+    """A labelled CSV task and a tiny masked-LM: bert-finetune's overrides, the model."""
     rows = [(f"{WORDS[i % 16]} {WORDS[(i * 3) % 16]} film", i % 2) for i in range(24)]
     for name in ("train", "dev"):
         (tmp_path / f"{name}.csv").write_text(
             "text,label\n" + "\n".join(f"{t},{y}" for t, y in rows) + "\n")
     model = _mlm_dir(tmp_path / "mlm")
-    common = ["task=custom", f"task.train_file={tmp_path / 'train.csv'}",
-              f"task.validation_file={tmp_path / 'dev.csv'}", "task.text_columns=[text]",
-              "recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.epochs=2",
-              "recipe.batch_size=8", "trainer.save_model=none", "trainer.progress_bar=false"]
+    return ["task=custom", f"task.train_file={tmp_path / 'train.csv'}",
+            f"task.validation_file={tmp_path / 'dev.csv'}", "task.text_columns=[text]",
+            "recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.epochs=2",
+            "recipe.batch_size=8", "trainer.save_model=none", "trainer.progress_bar=false"], model
+
+
+def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
+    common, model = _task(tmp_path)
     out = tmp_path / "ft"
     prompt_pilot.main(["--template", "it was [MASK] .", "--words", "awful", "great", "--",
                        *common, f"model={model}", f"out_dir={out}"])
@@ -130,3 +135,17 @@ def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
             model_dir=_mlm_dir(tmp_path / "bare", head=False))
     with pytest.raises(SystemExit, match="after `--`"):
         prompt_pilot.main(["--words", "a", "b"])
+
+
+def test_an_interrupted_pilot_fine_tune_resumes_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """The prompt head (the MLM transform and the words' rows) saved in bert-finetune's
+    checkpoints and taken up again by a resume."""
+    from finetune_support import check_interrupted_fine_tune_resumes
+
+    common, model = _task(tmp_path)
+    common += [f"model={model}", "trainer.log_every=1", "trainer.checkpoint_every=2",
+               "trainer.mixed_precision=no"]
+    check_interrupted_fine_tune_resumes(
+        lambda out: prompt_pilot.main(["--template", "it was [MASK] .", "--words", "awful",
+                                       "great", "--", *common, f"out_dir={out}"]),
+        tmp_path / "ft", monkeypatch)

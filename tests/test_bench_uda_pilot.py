@@ -75,7 +75,8 @@ def _tiny_encoder(path):
     return path  # vocab.txt is the tokenizer (a WordPiece vocabulary, as bert-export writes)
 
 
-def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
+def _task(tmp_path) -> list:
+    """A labelled CSV task, an unlabeled file and a tiny encoder: bert-finetune's overrides."""
     rows = [(f"{WORDS[i % 16]} {WORDS[(i * 3) % 16]} film", i % 2) for i in range(24)]
     for name in ("train", "dev"):
         (tmp_path / f"{name}.csv").write_text(
@@ -83,11 +84,15 @@ def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
     (tmp_path / "unlabeled.csv").write_text(
         "text\n" + "\n".join(f"{WORDS[(i * 5) % 16]} {WORDS[i % 16]} movie" for i in range(40)))
     model = _tiny_encoder(tmp_path / "enc")
+    return ["task=custom", f"task.train_file={tmp_path / 'train.csv'}",
+            f"task.validation_file={tmp_path / 'dev.csv'}", "task.text_columns=[text]",
+            f"model={model}", "recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.epochs=2",
+            "recipe.batch_size=8", "trainer.save_model=none", "trainer.progress_bar=false"]
+
+
+def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
+    common = _task(tmp_path)
     out = tmp_path / "ft"
-    common = ["task=custom", f"task.train_file={tmp_path / 'train.csv'}",
-              f"task.validation_file={tmp_path / 'dev.csv'}", "task.text_columns=[text]",
-              f"model={model}", "recipe.lrs=[1e-3]", "recipe.seeds=[1]", "recipe.epochs=2",
-              "recipe.batch_size=8", "trainer.save_model=none", "trainer.progress_bar=false"]
     uda_pilot.main(["--unlabeled", str(tmp_path / "unlabeled.csv"), "--column", "text", "--",
                     *common, f"out_dir={out}"])
     from bert_pretrain.finetune import grid, runner
@@ -103,3 +108,17 @@ def test_runs_bert_finetunes_grid_with_its_settings_in_the_identity(tmp_path):
                         "--ratio", "6", "--", *common, f"out_dir={tmp_path / 'ft2'}"])
     with pytest.raises(SystemExit, match="after `--`"):
         uda_pilot.main(["--unlabeled", "x.csv"])
+
+
+def test_an_interrupted_pilot_fine_tune_resumes_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """The pilot's step (its unlabeled draw seeded per step) under bert-finetune's checkpoints
+    (threshold 0: every unlabeled row counts, so a draw that differed would show)."""
+    from finetune_support import check_interrupted_fine_tune_resumes
+
+    common = [*_task(tmp_path), "trainer.log_every=1", "trainer.checkpoint_every=2",
+              "trainer.mixed_precision=no"]
+    pilot = ["--unlabeled", str(tmp_path / "unlabeled.csv"), "--column", "text",
+             "--threshold", "0", "--"]
+    check_interrupted_fine_tune_resumes(
+        lambda out: uda_pilot.main([*pilot, *common, f"out_dir={out}"]), tmp_path / "ft",
+        monkeypatch)
