@@ -5,6 +5,8 @@ finished reduction in the prior iteration"), and the 2-process run must equal 1 
 accumulation steps."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from test_distributed import (assert_same_trajectory, train_1proc, train_accelerate,
@@ -37,3 +39,30 @@ def test_two_processes_equal_one_process_with_accumulation(prepared, tmp_path, v
     assert_same_trajectory(one, two, range(1, 7))
     assert [two[s]["tokens_seen"] for s in range(1, 7)] == [one[s]["tokens_seen"]
                                                              for s in range(1, 7)]
+
+
+def compiled_by(stderr: str) -> set[str]:
+    """The process ids whose inductor wrote kernels (TORCH_LOGS=output_code): proof that
+    impl.compile compiled in that process rather than running eager."""
+    return set(re.findall(r"^\S+ \S+ (\d+) .*\[__output_code\] Output code:", stderr, re.M))
+
+
+def test_compiled_layers_under_two_processes_equal_one_process(prepared, tmp_path,
+                                                               monkeypatch):
+    """impl.compile (inductor, each layer's dense blocks) under DDP: both processes compile,
+    and train the losses of one process with 2 accumulation steps (the same micro-batch shapes,
+    so the same kernels)."""
+    monkeypatch.setenv("TORCH_LOGS", "output_code")
+    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
+    r1 = train_1proc(f"data.dir={prepared}", f"run_dir={one_dir}", "trainer.micro_batch_size=4",
+                     "impl.compile=true")
+    r2 = train_accelerate(2, f"data.dir={prepared}", f"run_dir={two_dir}", "impl.compile=true")
+    assert "torch.compile" in r2.stdout, r2.stdout
+    assert len(compiled_by(r1.stderr)) == 1 and len(compiled_by(r2.stderr)) == 2, \
+        r2.stderr[-2000:]
+    one, two = train_records(one_dir), train_records(two_dir)
+    assert sorted(two) == list(range(1, 7))
+    gap = max(abs(one[s][k] - two[s][k]) for s in range(1, 7)
+              for k in ("loss", "mlm_loss", "nsp_loss"))
+    print(f"max |2 processes - 1| loss over 6 steps (impl.compile): {gap:.3g}")
+    assert_same_trajectory(one, two, range(1, 7))

@@ -331,6 +331,44 @@ def test_fsdp_trains_ddps_losses_for_20_steps(prepared, tmp_path, num_processes,
     assert_sharded_checkpoint(runs["fsdp"] / "checkpoints" / "step-00000020", num_processes)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("switches", [
+    # each encoder layer is a shard unit: checkpointing recomputes it in backward, so its
+    # weights are gathered a second time there
+    ["impl.gradient_checkpointing=true"],
+    ["impl.varlen_attention=nested", "impl.gradient_checkpointing=true", "impl.fused_qkv=true"],
+    # inductor compiles the dense blocks inside a sharded layer, on gathered weights
+    ["impl.compile=true", "impl.gradient_checkpointing=true"],
+    ["model.position_embedding_type=relative_key_query", "model.pre_layer_norm=true"],
+    ["impl.unpad=false"],
+], ids=["checkpointing", "nested_checkpointing_fused", "compile_checkpointing",
+        "relative_pre_ln", "padded"])
+def test_fsdp_trains_ddps_losses_with_the_layer_switches(prepared, tmp_path, monkeypatch,
+                                                          switches):
+    """The switches that change what a layer runs, sharded: the losses of DDP on the same
+    switches at every step (2 processes, 2 accumulation steps, 8 steps)."""
+    from test_distributed_variants import compiled_by
+
+    compiling = "impl.compile=true" in switches
+    if compiling:
+        monkeypatch.setenv("TORCH_LOGS", "output_code")
+    common = [f"data.dir={prepared}", "trainer.max_steps=8", "trainer.checkpoint_every=4",
+              "trainer.eval_every=4", "trainer.micro_batch_size=2", *switches]
+    runs = {}
+    for sharding in ("ddp", "fsdp"):
+        runs[sharding] = tmp_path / sharding
+        r = train_torchrun(2, *common, f"run_dir={runs[sharding]}", sharding=sharding)
+        assert (FSDP_LINE.format(n=2) in r.stdout) == (sharding == "fsdp")
+        if compiling:  # both processes compiled: not a quiet fall-back to eager
+            assert len(compiled_by(r.stderr)) == 2, r.stderr[-2000:]
+    ddp, fsdp = train_records(runs["ddp"]), train_records(runs["fsdp"])
+    assert sorted(fsdp) == list(range(1, 9))
+    print(f"max |FSDP - DDP| loss over 8 steps ({' '.join(switches)}): "
+          f"{max_difference(ddp, fsdp, range(1, 9)):.3g}")
+    assert_same_trajectory(ddp, fsdp, range(1, 9))
+    assert_sharded_checkpoint(runs["fsdp"] / "checkpoints" / "step-00000008", 2)
+
+
 # --------------------------------------------------------------------------- resume, slow
 
 
