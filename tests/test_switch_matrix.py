@@ -246,19 +246,26 @@ def test_the_start_line_says_what_the_layers_run(switches, position_type, monkey
     dict(varlen_attention="off", attention="eager", gradient_checkpointing=True),
     dict(unpad=False, sparse_prediction=False),
 ], ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
-def test_bf16_autocast_on_each_path(switches):
-    """trainer.mixed_precision=bf16 is autocast around the same model: each grid and product,
-    with gradient checkpointing, against the plain path under the same autocast (bf16's
-    rounding: the tolerance of tests/test_cuda.py's bf16 cases)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_on_each_path(switches, dtype):
+    """trainer.mixed_precision=bf16 (and fp16, for GPUs without bf16 units) is autocast around
+    the same model: each grid and product, with gradient checkpointing, against the plain path
+    under the same autocast (bf16's rounding: the tolerance of tests/test_cuda.py's bf16
+    cases), and the fast path's projections do run in that dtype."""
     cfg = tiny_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
     plain = BertForPreTraining(cfg, PLAIN).train()
     fast = BertForPreTraining(cfg, ModelImpl(**switches)).train()
     fast.load_state_dict(plain.state_dict())
     batch = spread_batch(cfg)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ran = set()
+    for module in fast.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda m, i, o: ran.add(o.dtype))
+    with torch.autocast("cpu", dtype=dtype):
         ref, ref_grads = _step(plain, batch, False)
         out, grads = _step(fast, batch, False)
+    assert ran == {dtype}, ran
     for name in ("loss", "mlm_loss", "nsp_loss", "seq_relationship_logits"):
         a, b = getattr(out, name).float(), getattr(ref, name).float()
         assert torch.allclose(a, b, atol=3e-2, rtol=3e-2), name
