@@ -84,3 +84,27 @@ def finetune_with_pilot(prog: str, parser, install, argv=None) -> None:
     finally:
         sys.argv = saved_argv
         uninstall()
+
+
+def patch_finetune(prog: str, settings: dict, train_step, prepare=None):
+    """The patches of a pilot that changes bert-finetune's step: the pilot's `settings` join
+    each job's identity under `prog` (so its out_dir can not be mistaken for a plain
+    fine-tune's), `prepare(job, s, pretrained, say)` adds what the step needs to the job, and
+    `train_step(self)` replaces FineTune.train_step. Returns what undoes them (for install)."""
+    from bert_pretrain.finetune import grid, runner
+
+    prepare_job, plain_step = grid.prepare_job, runner.FineTune.train_step
+
+    def prepare_with_pilot(s, pretrained, config_yaml, say=print, *, precision):
+        job = prepare_job(s, pretrained, config_yaml, say, precision=precision)
+        job.identity[prog] = settings
+        if prepare is not None:
+            prepare(job, s, pretrained, say)
+        return job
+
+    grid.prepare_job, runner.FineTune.train_step = prepare_with_pilot, train_step
+
+    def uninstall() -> None:
+        grid.prepare_job, runner.FineTune.train_step = prepare_job, plain_step
+
+    return uninstall

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchlib import finetune_with_pilot
+from benchlib import finetune_with_pilot, patch_finetune
 
 
 def read_column(path: str, column: str) -> list:
@@ -120,18 +120,15 @@ def consistency(clean_logits: torch.Tensor, noised_logits: torch.Tensor, tempera
 def install(args):
     """Patch bert-finetune's job (identity) and fine-tune step with the pilot's; returns what
     undoes it (a test runs the pilot inside a process that fine-tunes other things after)."""
-    from bert_pretrain.finetune import grid, runner
+    from bert_pretrain.finetune import runner
     from bert_pretrain.finetune.batches import Encoded, collate
     from bert_pretrain.components.optim import set_lr
 
     settings = {"unlabeled": args.unlabeled, "column": args.column, "weight": args.weight,
                 "ratio": args.ratio, "temperature": args.temperature,
                 "threshold": args.threshold, "replace": args.replace, "tsa": args.tsa}
-    prepare_job = grid.prepare_job
 
-    def prepare_with_pilot(s, pretrained, config_yaml, say=print, *, precision):
-        job = prepare_job(s, pretrained, config_yaml, say, precision=precision)
-        job.identity["uda_pilot"] = settings
+    def prepare(job, s, pretrained, say):
         tokenizer = pretrained.tokenizer()
         tokenizer.enable_truncation(min(s.recipe.max_length,
                                         pretrained.config.max_position_embeddings))
@@ -149,9 +146,6 @@ def install(args):
         job.noise = TfidfNoise(ids, pretrained.config.vocab_size, special, args.replace)
         say(f"uda_pilot: {len(ids):,} unlabeled sentences from {args.unlabeled} "
             f"({args.column}), {settings}")
-        return job
-
-    grid.prepare_job = prepare_with_pilot
 
     def train_step(self):
         s, acc, recipe, job = self.session, self.session.accelerator, self.recipe, self.job
@@ -197,13 +191,7 @@ def install(args):
         return runner.StepNumbers(self.step + 1, float(ce.detach().mean()), grad_norm,
                                   applied), bool(self.stop.requested)
 
-    plain_step = runner.FineTune.train_step
-    runner.FineTune.train_step = train_step
-
-    def uninstall() -> None:
-        grid.prepare_job, runner.FineTune.train_step = prepare_job, plain_step
-
-    return uninstall
+    return patch_finetune("uda_pilot", settings, train_step, prepare)
 
 
 def main(argv=None) -> None:
