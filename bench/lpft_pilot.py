@@ -12,6 +12,11 @@ are bert-finetune's fine-tune with its own warmup and decay over the remaining s
 encoder joining at the first of them (its optimizer state starts there: a frozen parameter has
 no gradient, so AdamW keeps no moments for it).
 
+`--freeze-embeddings` keeps the embeddings (word, position, type and their LayerNorm) as
+pretrained throughout; with `--probe-epochs 0` that is bert-finetune's fine-tune with the
+embeddings frozen: with 1,000 labels most of the vocabulary is never seen in training, and
+frozen embeddings keep the unseen words where pretraining put them, beside the seen ones.
+
 Everything else is bert-finetune's (the grid, seeds, recipe, data subset, scoring; its
 overrides follow `--`); the pilot's settings join the results' identity, so its out_dir can
 not be mistaken for a plain fine-tune's:
@@ -51,9 +56,12 @@ def install(args):
     """Patch bert-finetune's job (identity), schedule and step with the pilot's; returns what
     undoes it (a test runs the pilot inside a process that fine-tunes other things after)."""
     from bert_pretrain.finetune import runner
+    from bert_pretrain.finetune.runner import layer_depth
     from bert_pretrain.components.optim import Schedule, SchedulerConfig
 
     settings = {"probe_epochs": args.probe_epochs, "probe_lr": args.probe_lr}
+    if args.freeze_embeddings:  # (only when asked: the results of before keep their identity)
+        settings["freeze_embeddings"] = True
 
     class ProbeThenTune:
         """The probe's constant factor, then bert-finetune's linear schedule over the rest."""
@@ -78,11 +86,16 @@ def install(args):
             self.schedule = ProbeThenTune(self.lr, args.probe_lr or self.lr, probe,
                                           self.order.num_steps, self.recipe.warmup_ratio)
             layers = self.raw_model.config.num_hidden_layers
-            self.pilot_encoder = [p for n, p in self.raw_model.named_parameters()
-                                  if not is_head(n, layers)]
+            self.pilot_parts = {part: [p for n, p in self.raw_model.named_parameters()
+                                       if part == ("head" if is_head(n, layers) else
+                                                   "embeddings" if layer_depth(n, layers) == 0
+                                                   else "layers")]
+                                for part in ("embeddings", "layers")}
         frozen = self.step < self.schedule.probe
-        for p in self.pilot_encoder:
+        for p in self.pilot_parts["layers"]:
             p.requires_grad_(not frozen)
+        for p in self.pilot_parts["embeddings"]:
+            p.requires_grad_(not (frozen or args.freeze_embeddings))
         return plain_step(self)
 
     return patch_finetune("lpft_pilot", settings, train_step,
@@ -95,6 +108,9 @@ def main(argv=None) -> None:
                    help="the first epochs of recipe.epochs, training the head alone")
     p.add_argument("--probe-lr", type=float, default=None,
                    help="the head's constant rate in the probe (default: the grid's rate)")
+    p.add_argument("--freeze-embeddings", action="store_true",
+                   help="the embeddings stay as pretrained throughout (with --probe-epochs 0: "
+                        "a plain fine-tune of everything else)")
     finetune_with_pilot("lpft_pilot", p, install, argv)
 
 

@@ -55,6 +55,34 @@ def test_the_head_alone_trains_in_the_probe_then_everything(tmp_path, monkeypatc
     assert result["steps"] == 6
 
 
+def test_frozen_embeddings_stay_as_pretrained_and_the_rest_trains(tmp_path, monkeypatch):
+    from bert_pretrain.finetune import runner
+
+    seen, log = [], runner.FineTune._log
+
+    def snapshot(self):
+        log(self)
+        params = dict(self.raw_model.named_parameters())
+        seen.append((self.current_lr,
+                     params["bert.embeddings.word_embeddings.weight"].detach().clone(),
+                     params["bert.embeddings.LayerNorm.weight"].detach().clone(),
+                     params["bert.encoder.layer.0.output.dense.weight"].detach().clone()))
+
+    out = tmp_path / "ft"
+    monkeypatch.setattr(runner.FineTune, "_log", snapshot)
+    lpft_pilot.main(["--probe-epochs", "0", "--freeze-embeddings", "--", *_task(tmp_path),
+                     "trainer.log_every=1", f"out_dir={out}"])
+    assert len(seen) == 6
+    for _, words, norm, _ in seen[1:]:
+        assert torch.equal(words, seen[0][1]) and torch.equal(norm, seen[0][2])
+    assert not torch.equal(seen[1][3], seen[0][3])  # the layers train from the first step
+    # no probe: bert-finetune's own schedule (6 steps, warmup round(0.6) = 1 step)
+    assert [round(s[0], 6) for s in seen] == [round(1e-3 * (6 - k) / 5, 6) if k else 1e-3
+                                              for k in range(6)]
+    (result,) = [json.loads(p.read_text()) for p in out.rglob("result.json")]
+    assert result["identity"]["lpft_pilot"]["freeze_embeddings"] is True
+
+
 def test_a_probe_as_long_as_the_fine_tune_is_refused(tmp_path):
     with pytest.raises(SystemExit, match=r"--probe-epochs must be in \[0, recipe.epochs = 2\)"):
         lpft_pilot.main(["--probe-epochs", "2", "--", *_task(tmp_path),
