@@ -141,6 +141,22 @@ def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsy
     assert capsys.readouterr().err == ""  # rank 0 printed it already
 
 
+def test_launch_report_when_the_main_rank_was_stopped_on_its_way_to_exit_2(tmp_path, capsys):
+    """Seen in CI: rank 1 exited 2 first, the agent's SIGTERM then caught rank 0 after it had
+    printed the line and written its error file; rank 0's error file (whole seconds) made it
+    the 'first failure', killed by SIGTERM, and the launch reported a crash (exit 1)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from bert_pretrain.tools.launch import _report
+
+    line = "bert-train: error: Could not override 'trainer.max_step'"
+    exc = ChildFailedError("bert_pretrain.train", {0: _failure(tmp_path, 0, -15, line),
+                                                   1: _failure(tmp_path, 1, 2, line)})
+    assert exc.get_first_failure()[0] == 0  # what torch elastic calls the first failure
+    assert _report(exc) == 2
+    assert capsys.readouterr().err == ""  # rank 0 printed it before its error file
+
+
 def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -152,3 +168,7 @@ def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
         "by PID 1001)"
     assert _report(ChildFailedError("t", {0: _failure(tmp_path, 0, 1)})) == 1
     assert "rank 0 exited with status 1 (see its output above)" in capsys.readouterr().err
+    # the rank the agent stopped after another one crashed is not named as the cause
+    crash = ChildFailedError("t", {0: _failure(tmp_path, 0, -15), 1: _failure(tmp_path, 1, 1)})
+    assert _report(crash) == 1
+    assert "rank 1 exited with status 1" in capsys.readouterr().err

@@ -24,31 +24,53 @@ CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 
 
 class _ShutdownNoise(logging.Filter):
-    """Drop torch elastic's shutdown records after a user error (exit code 2): the agent
-    terminating the other ranks, and the 'failed (exitcode: 2)' line."""
+    """Drop torch elastic's shutdown records after a user error: the agent terminating the
+    other ranks, and its 'failed (exitcode: ...)' line when that names exit code 2 or SIGTERM
+    (-15: the agent's own closing signal to a rank that was on its way to exit 2, recorded
+    as the first failure when its error file ties with the other rank's).  The one line
+    printed after the launch names any other failure, a SIGTERM sent by someone else too."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         if msg.startswith("Sending process") and "closing signal" in msg:
             return False
-        if msg.startswith("failed (exitcode") and record.args and record.args[0] == 2:
+        if msg.startswith("failed (exitcode") and record.args and record.args[0] in (2, -15):
             return False
         return True
 
 
+def _message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = str(message.get("message", ""))
+    return message if isinstance(message, str) else ""
+
+
+def _user_error(exc) -> bool:
+    """A rank exited 2: bert-train's user error.  That rank need not be the launch's 'first
+    failure': when another rank exits 2 first, the agent stops the rest with SIGTERM, and a
+    rank already on its way out (its line printed, its error file written) is recorded as
+    killed with its error file's timestamp, whole seconds, so it can tie and come first."""
+    return any(f.exitcode == 2 for f in exc.failures.values())
+
+
 def _report(exc) -> int:
     """One line for a ChildFailedError; returns the exit status."""
-    rank, failure = exc.get_first_failure()
-    message = failure.message if isinstance(failure.message, str) else \
-        str(failure.message.get("message", "")) if isinstance(failure.message, dict) else ""
-    if failure.exitcode == 2:
+    if _user_error(exc):
         main = exc.failures.get(0)
         # rank 0 prints before it exits 2, and before it writes its error file
         main_printed = main is not None and (main.exitcode == 2 or main.error_file_data.get(
             "message") not in (None, "", "<NONE>"))
-        if message.startswith("bert-train: error:") and not main_printed:
-            print(message, file=sys.stderr, flush=True)
+        lines = [_message(f) for _, f in sorted(exc.failures.items())
+                 if _message(f).startswith("bert-train: error:")]
+        if lines and not main_printed:
+            print(lines[0], file=sys.stderr, flush=True)
         return 2
+    # the agent's closing signal to the other ranks is not the cause: name a rank that failed
+    # on its own (the first by its error file's time, whole seconds) when there is one
+    own = {r: f for r, f in exc.failures.items() if f.exitcode != -15} or exc.failures
+    rank, failure = min(own.items(), key=lambda item: item[1].timestamp)
+    message = _message(failure)
     if failure.exitcode < 0:
         how = f"was killed by signal {failure.signal_name()}"
     else:
