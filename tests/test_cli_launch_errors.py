@@ -172,3 +172,23 @@ def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
     crash = ChildFailedError("t", {0: _failure(tmp_path, 0, -15), 1: _failure(tmp_path, 1, 1)})
     assert _report(crash) == 1
     assert "rank 1 exited with status 1" in capsys.readouterr().err
+
+
+def test_shutdown_noise_drops_only_the_agents_records_after_a_user_error():
+    """The filter on torch elastic's log, fed records as its api module writes them: the agent's
+    closing signals and its 'failed' line for exit 2 or its own SIGTERM go; a crash's stays."""
+    import logging
+
+    from bert_pretrain.tools.launch import ELASTIC_API, _ShutdownNoise
+
+    def record(msg, *args):
+        return logging.LogRecord(ELASTIC_API, logging.ERROR, "api.py", 1, msg, args, None)
+
+    failed = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    keep = _ShutdownNoise().filter
+    assert not keep(record("Sending process %s closing signal %s", 1234, "SIGTERM"))
+    assert not keep(record(failed, 2, 1, 1234, "bert-train"))
+    assert not keep(record(failed, -15, 0, 1234, "bert-train"))
+    assert keep(record(failed, 1, 0, 1234, "bert-train"))
+    assert keep(record(failed, -9, 1, 1234, "bert-train"))
+    assert keep(record("Starting elastic_operator with launch configs:"))
