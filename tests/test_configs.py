@@ -144,6 +144,7 @@ def test_domain_recipe_model_and_a_users_choice_of_another():
             m["intermediate_size"]) == (2, 256, 4, 1024)
     assert (m["hidden_dropout_prob"], m["attention_probs_dropout_prob"]) == (0.0, 0.0)
     assert (s.trainer.max_steps, s.trainer.budget_hours, s.optim.lr) == (5900, None, 1e-3)
+    assert (s.trainer.eval_every, s.trainer.checkpoint_every) == (1000, 1000)
     assert (s.data.masking, s.data.masked_lm_prob_start, s.data.masked_lm_prob) == \
         ("dynamic", None, 0.4)    # 40% throughout, no schedule
     for model, shape in [("bert_mini", (4, 256)), ("bert_small", (4, 512))]:

@@ -9,7 +9,7 @@ Three things, each measured with bench/bench_model.py (docs/benchmarks.md, "CPU 
   sleeping at the barrier (OMP_WAIT_POLICY=PASSIVE), a BERT-mini step 1.63 s and 1.15 s.
   The price is on a machine nothing else uses, and it grows as ops shrink: ~5% at those
   benchmark shapes, but the small recipes' steps (domain_mini pretraining, fine-tuning a
-  BERT-mini) take 1.5-1.8x as long as with spinning threads, each barrier a sleep and a wake
+  BERT-mini) take 1.25-1.8x as long as with spinning threads, each barrier a sleep and a wake
   (bench/bench_omp_wait.py).  Passive stays the default because spinning beside one busy
   process was 2.0-2.4x slower still on those recipes: a slow run on a shared machine beats a
   crawl.  libgomp reads the variable when torch loads it, so the entry points call
@@ -64,7 +64,7 @@ def omp_wait_setting() -> str:
     policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     if _PASSIVE_BY_DEFAULT and policy == "PASSIVE":
         return ("OMP_WAIT_POLICY=PASSIVE (the default; OMP_WAIT_POLICY=ACTIVE runs small models "
-                "~1.5x faster where nothing else uses the cores: docs/benchmarks.md)")
+                "1.25-1.8x faster where nothing else uses the cores: docs/benchmarks.md)")
     return f"OMP_WAIT_POLICY={policy}"
 
 
