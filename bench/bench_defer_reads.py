@@ -12,7 +12,9 @@ each run.
 
 On a CPU nothing is asynchronous, so the two should be level (a cost check); on a GPU the
 deferring trainer's host prepares the next step while the device finishes the last. Both
-trainers take the same batches and end with the same losses, and the deferring one must still
+trainers take the same batches and end with the same losses (bit for bit on a CPU; within
+1e-3 on a GPU, whose atomic adds make even two runs of one trainer part in the last bits), and
+the deferring one must still
 hold every step's numbers on the device when its window ends (both checked in each run).
 """
 
@@ -71,9 +73,18 @@ def one_run(args) -> dict:
                 times[d].append((time.perf_counter() - start) / args.window)
         other = load.cores()
         last = {d: trainers[d].train_step().settle().loss for d in trainers}
-        if last[True] != last[False]:
+        device = trainers[True].accelerator.device
+        # On a CPU the two are bit-identical. A GPU's backward adds rows with atomics (the
+        # labelled rows' gather, the embeddings) in whatever order the threads run, so two
+        # runs of one trainer part in the last bits and drift apart over steps: on the H200,
+        # 6.45451 against 6.45433 after 250 steps. There, a difference past that noise is
+        # what would say deferring changed the arithmetic.
+        tolerance = 0.0 if device.type == "cpu" else 1e-3
+        difference = abs(last[True] - last[False]) / max(abs(last[False]), 1e-12)
+        if not difference <= tolerance:
             sys.exit(f"bench_defer_reads: the two trainers' losses differ ({last[True]} against "
-                     f"{last[False]}): deferring must not change a number")
+                     f"{last[False]}, relative {difference:.1e}, allowed {tolerance:g} on "
+                     f"{device.type}): deferring must not change a number")
         steps = len(times[True]) * args.window
         if held[True] != steps or held[False]:
             sys.exit(f"bench_defer_reads: the deferring trainer held {held[True]} of {steps} "
@@ -82,7 +93,8 @@ def one_run(args) -> dict:
         skip = -(-args.skip // args.window)  # windows with any warm-up step in them
         deferred, read = (statistics.median(times[d][skip:]) * 1e3 for d in (True, False))
         return {"deferred_ms": deferred, "read_ms": read, "ratio": deferred / read,
-                "other_load_cores": other, "device": str(trainers[True].accelerator.device)}
+                "other_load_cores": other, "device": str(device),
+                "final_loss_relative_difference": difference}
     finally:
         for trainer in trainers.values():
             trainer.close()

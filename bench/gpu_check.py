@@ -452,6 +452,20 @@ def _glue_results(c: Check) -> dict:
         lo, hi = r["score_range"]
         size = (r["num_train"], r["recipe"]["epochs"])
         out.setdefault(size, {}).setdefault(r["init"], {})[r["best_lr"]] = (r["score"], lo, hi)
+    # A rate that diverged in some seed writes no finetune.json (its grid has no rate to
+    # recommend): its cell says so, from the fine-tune's log, instead of going missing.
+    for labels in c.args.glue_labels:
+        tag = "" if labels == c.args.glue_labels[0] else f"_n{labels}"
+        for init in ("pretrained", "random"):
+            for lr in GLUE_LRS:
+                log = c.out / f"finetune_{init}_{lr}{tag}.log"
+                if (c.out / "glue" / f"{init}-{lr}{tag}" / "finetune.json").exists() or \
+                        not log.exists():
+                    continue
+                diverged = log.read_text(errors="replace").count(": diverged: ")
+                if diverged:
+                    out.setdefault((labels, glue_epochs(labels)), {}).setdefault(init, {})[
+                        float(lr)] = ("diverged", diverged)
     return out
 
 
@@ -471,8 +485,16 @@ def _glue_lines(c: Check) -> list[str]:
                   "|---|" + "---:|" * (len(lrs) + 1)]
         best = {}
         for init, by_lr in sorted(results.items()):
-            cells = [f"{100 * by_lr[lr][0]:.1f} ({100 * by_lr[lr][1]:.1f}-"
-                     f"{100 * by_lr[lr][2]:.1f})" if lr in by_lr else "-" for lr in lrs]
+            seeds = 1 if c.args.quick else len(GLUE_SEEDS)
+            cells = ["-" if lr not in by_lr else
+                     f"diverged ({by_lr[lr][1]} of {seeds} seeds)"
+                     if by_lr[lr][0] == "diverged" else
+                     f"{100 * by_lr[lr][0]:.1f} ({100 * by_lr[lr][1]:.1f}-"
+                     f"{100 * by_lr[lr][2]:.1f})" for lr in lrs]
+            by_lr = {k: v for k, v in by_lr.items() if v[0] != "diverged"}
+            if not by_lr:
+                lines.append(f"| {init} | " + " | ".join(cells) + " | - |")
+                continue
             lr = max(by_lr, key=lambda k: by_lr[k][0])
             best[init] = by_lr[lr]
             lines.append(f"| {init} | " + " | ".join(cells) + f" | **{100 * by_lr[lr][0]:.1f}** "

@@ -24,7 +24,24 @@ def test_both_trainers_take_steps_and_are_compared(tmp_path, capsys):
     for row in result["runs"]:
         assert row["deferred_ms"] > 0 and row["read_ms"] > 0
         assert row["ratio"] == pytest.approx(row["deferred_ms"] / row["read_ms"])
+        assert row["final_loss_relative_difference"] == 0.0  # a CPU: bit for bit
     assert "| deferred / read |" in capsys.readouterr().out
+
+
+def test_trainers_whose_losses_part_are_refused_on_a_cpu(tmp_path, monkeypatch):
+    """On a CPU the allowance is none (a GPU's is 1e-3, for its atomic adds): two trainers that
+    differ in anything, here their seed, end the bench."""
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    make = bench_defer_reads.make_trainer
+
+    def reseeded(args, run_dir, defer):
+        if defer:
+            args = type(args)(**{**vars(args), "set": [*args.set, "seed=7"]})
+        return make(args, run_dir, defer)
+
+    monkeypatch.setattr(bench_defer_reads, "make_trainer", reseeded)
+    with pytest.raises(SystemExit, match=r"losses differ \(.*relative .*, allowed 0 on cpu\)"):
+        bench_defer_reads.main(["--data", data, *TINY, "--out", str(tmp_path / "x.json")])
 
 
 def test_a_run_that_can_not_defer_is_refused(tmp_path):

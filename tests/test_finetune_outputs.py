@@ -228,7 +228,8 @@ def _summary(lrs, scores: dict) -> dict:
                           pretrained=SimpleNamespace(source="ckpt"), train=[0] * 10,
                           evals={"": [0] * 4}, identity={})
     results = [{"lr": lr, "seed": seed, "metrics": {"accuracy": s, "f1": s}, "score": s,
-                "steps": 3, "train_seconds": 1.0}
+                "steps": 3, "train_seconds": 1.0} if s is not None else
+               {"lr": lr, "seed": seed, "diverged": "non-finite"}  # (None: that run diverged)
                for lr in lrs for seed, s in zip(seeds, scores[lr])]
     return summarize(job, results, "out", 1.0, SimpleNamespace(precision="no", world=1))
 
@@ -245,6 +246,26 @@ def test_the_best_rate_is_the_one_with_the_highest_median():
                                             5e-5: [0.2, 0.3, 0.4]})
     assert summary["best_lr"] == 3e-5 and summary["score"] == pytest.approx(0.8)
     assert [g["score"] for g in summary["grid"]] == pytest.approx([0.6, 0.8, 0.3])
+
+
+def test_a_rate_that_diverged_in_a_seed_is_listed_and_never_the_best():
+    """A diverged run is no score: its rate's row says which seeds diverged and the medians
+    are of the others, and that rate is not recommended even where its other seeds scored
+    highest; when every rate diverged somewhere there is nothing to recommend."""
+    from bert_pretrain.errors import TrainingError
+
+    summary = _summary([1e-5, 3e-5, 1e-4], {1e-5: [0.5, 0.6, 0.7], 3e-5: [0.9, None, 0.8],
+                                            1e-4: [None, None, None]})
+    assert summary["best_lr"] == 1e-5 and summary["score"] == pytest.approx(0.6)
+    high, gone = summary["grid"][1], summary["grid"][2]
+    assert high["diverged_seeds"] == [2] and high["score"] == pytest.approx(0.85)
+    assert [r["seed"] for r in high["runs"]] == [1, 3] and high["score_range"] == [0.8, 0.9]
+    assert gone["diverged_seeds"] == [1, 2, 3] and gone["score"] is None and gone["runs"] == []
+    assert "diverged_seeds" not in summary["grid"][0]
+    assert summary["train_seconds"] == 5.0  # the five runs that finished
+    with pytest.raises(TrainingError, match=r"^every lr of the grid diverged in at least one "
+                       r"seed \(lr 1e-05: seed\(s\) 2; lr 3e-05: seed\(s\) 1, 3\): no rate "):
+        _summary([1e-5, 3e-5], {1e-5: [0.5, None, 0.7], 3e-5: [None, 0.9, None]})
 
 
 def test_an_even_number_of_seeds_reports_the_middle_two_and_keeps_the_lower():

@@ -130,3 +130,32 @@ def test_a_spent_budget_leaves_the_rest_not_run(tmp_path):
     assert results["stages"]["bench"]["runs"][0]["status"] == "not run: the budget is spent"
     assert results["stages"]["default-suite"]["status"] == "not run: the budget is spent"
     assert "not run: the budget is spent" in (out / "summary.md").read_text()
+
+
+def test_a_rate_that_diverged_shows_in_the_glue_table(tmp_path):
+    """On the H200 lr 2e-3 diverged in 2 of 3 seeds at 8,000 labels and its column went missing
+    from the table; now its cell says so and the best rate is taken among the others."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    c = SimpleNamespace(out=tmp_path, args=SimpleNamespace(glue_labels=[8000], quick=False))
+    for init, lr, score in (("pretrained", "3e-4", 0.83), ("random", "1e-4", 0.77)):
+        (tmp_path / "glue" / f"{init}-{lr}").mkdir(parents=True)
+        (tmp_path / "glue" / f"{init}-{lr}" / "finetune.json").write_text(json.dumps(
+            {"score_range": [score - 0.01, score + 0.01], "num_train": 8000,
+             "recipe": {"epochs": 3}, "init": init, "best_lr": float(lr), "score": score}))
+    (tmp_path / "finetune_pretrained_2e-3.log").write_text(
+        "bert-finetune: SST-2 lr 0.002 seed 1: accuracy 50.92\n"
+        "bert-finetune: SST-2 lr 0.002 seed 2: diverged: the fine-tuning loss ...\n"
+        "bert-finetune: SST-2 lr 0.002 seed 3: diverged: the fine-tuning loss ...\n"
+        "bert-finetune: error: every lr of the grid diverged in at least one seed ...\n")
+    (tmp_path / "finetune_random_3e-5.log").write_text("bert-finetune: SST-2 lr 3e-05 ...\n")
+    table = "\n".join(gpu_check._glue_lines(c))
+    assert "| init | lr 1e-4 | lr 3e-4 | lr 2e-3 | best |" in table
+    assert ("| pretrained | - | 83.0 (82.0-84.0) | diverged (2 of 3 seeds) | **83.0** (lr 3e-4) |"
+            in table)
+    assert "| random | 77.0 (76.0-78.0) | - | - | **77.0** (lr 1e-4) |" in table
+    assert "Pretrained minus random init: +6.0 points (ranges apart; the target is +3)." in table

@@ -231,6 +231,55 @@ def test_an_fp16_fine_tune_resumes_with_the_saved_loss_scale(pretrained, tmp_pat
     assert [r.get("loss_scale") for r in resumed] == [r.get("loss_scale") for r in straight]
 
 
+def test_a_grid_goes_on_past_a_run_that_diverged(pretrained, tmp_path, monkeypatch, capsys,
+                                                 one_thread):
+    """lr 1e-3 seed 2's gradients are nan: that run stops (fp32: at its first step), the grid
+    goes on with the others and writes its summary, where that rate lists seed 2 as diverged
+    and is not the best rate; the diverged run leaves no result. When every run diverges the
+    command fails with the run's own error, as a single fine-tune always did."""
+    import json
+
+    from bert_pretrain.errors import TrainingError
+    from bert_pretrain.finetune.runner import FineTune
+    from bert_pretrain.model import BertForSequenceClassification
+
+    poisoned, forward, real_step = {"now": False}, BertForSequenceClassification.forward, \
+        FineTune.train_step
+
+    def poison(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training and poisoned["now"]:
+            out.loss = _NaNGrad.apply(out.loss)
+        return out
+
+    def step(self):
+        poisoned["now"] = (self.lr, self.seed) == (1e-3, 2) or self.lr == 1e-2
+        return real_step(self)
+
+    monkeypatch.setattr(BertForSequenceClassification, "forward", poison)
+    monkeypatch.setattr(FineTune, "train_step", step)
+    out = tmp_path / "grid"
+    summary = _fine_tune(pretrained, out, "trainer.mixed_precision=no",
+                         "recipe.lrs=[1e-3,3e-4]", "recipe.seeds=[1,2]")
+    said = capsys.readouterr().out
+    assert ("lr 0.001 seed 2: diverged: the fine-tuning loss or gradient was non-finite for 1 "
+            "consecutive steps (step 1, lr 0.001); lower recipe.lrs or use "
+            "trainer.mixed_precision=no; the grid goes on") in said
+    assert "0.001: " in said and "(diverged: seed(s) 2)" in said  # the closing line's grid
+    assert summary["best_lr"] == 3e-4
+    row = summary["grid"][0]
+    assert row["lr"] == 1e-3 and row["diverged_seeds"] == [2]
+    assert [r["seed"] for r in row["runs"]] == [1]
+    assert json.loads((out / "finetune.json").read_text())["grid"] == summary["grid"]
+    assert (out / "lr0.001-seed1" / "result.json").exists()
+    assert not (out / "lr0.001-seed2" / "result.json").exists()
+    with pytest.raises(TrainingError, match=r"^the fine-tuning loss or gradient was non-finite "
+                       r"for 1 consecutive steps \(step 1, lr 0.01\)"):
+        _fine_tune(pretrained, tmp_path / "all", "trainer.mixed_precision=no",
+                   "recipe.lrs=[1e-2]", "recipe.seeds=[1,2]")
+    assert "seed 1: diverged" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("precision,batch_size", [("fp16", 16), ("fp16", 4), ("no", 16)])
 def test_a_fine_tune_that_never_updates_reports_no_score(pretrained, tmp_path, monkeypatch,
                                                          precision, batch_size, one_thread):

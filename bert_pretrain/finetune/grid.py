@@ -10,7 +10,10 @@ Layout of out_dir:
                               rates and seeds (so that adding seeds reuses the finished runs); an
                               out_dir that holds another grid is left as it is and this one goes
                               beside it (<out_dir>-2, ...)
-    finetune.json             the summary (below), written when every run has finished
+    finetune.json             the summary (below), written when every run has finished; a
+                              run that diverged (non-finite loss or gradient) is no error of
+                              the grid: its lr's row lists it in `diverged_seeds`, and such an
+                              lr is never the best one
     lr3e-05-seed1/            one fine-tune: identity.json, metrics.jsonl, result.json,
                               checkpoints/ while running
     model/                    (trainer.save_model=best) the best lr's median-seed model: a
@@ -33,12 +36,12 @@ import sys
 import time
 
 from ..command_record import write_record
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingError
 from . import scoring
 from .batches import encode
 from .identity import claim, holds, read_identity
 from .reading import read_task
-from .runner import MODEL_DIR, FineTune, Job, Session, _write_json, run_identity
+from .runner import MODEL_DIR, Diverged, FineTune, Job, Session, _write_json, run_identity
 
 SUMMARY_FILE = "finetune.json"
 # Where a task's data is, not what it is: the data's hash stands for it in the identity.
@@ -131,17 +134,30 @@ def _run_grid(session: Session, job: Job, out_dir: str, say) -> dict:
     s, data = job.settings, job.data
     recipe = s.recipe
     start = time.perf_counter()
-    results, runs = [], {}
+    results, runs, last_divergence = [], {}, None
     total = len(recipe.lrs) * len(recipe.seeds)
     for lr in recipe.lrs:
         for seed in recipe.seeds:
             run = FineTune(session, job, lr, seed, os.path.join(out_dir, run_name(lr, seed)))
             done = len(results) + 1
-            result = run.run(progress_desc=f"{data.title} {done}/{total} lr {lr:g} seed {seed}")
+            try:
+                result = run.run(progress_desc=f"{data.title} {done}/{total} lr {lr:g} seed "
+                                               f"{seed}")
+            except Diverged as exc:
+                # A rate too high for this seed is a result of the grid, not the end of it:
+                # the other runs still say which rate is best (on an H200, lr 2e-3 diverged in
+                # 2 of 3 seeds and the command lost the third).  Nothing of it is scored.
+                last_divergence = exc
+                results.append({"lr": lr, "seed": seed, "diverged": str(exc)})
+                say(f"bert-finetune: {data.title} lr {lr:g} seed {seed}: diverged: {exc}; "
+                    f"the grid goes on")
+                continue
             results.append(result)
             runs[lr, seed] = run
             say(f"bert-finetune: {data.title} lr {lr:g} seed {seed}: {_describe(result)} "
                 f"({result['steps']} steps, {result['train_seconds']:.0f} s)")
+    if all("diverged" in r for r in results):
+        raise last_divergence  # (one run: the error it always was)
     summary = summarize(job, results, out_dir, time.perf_counter() - start, session)
     if s.trainer.save_model == "best":
         summary["model_dir"] = _keep_median_model(session, job, summary, runs, say)
@@ -153,19 +169,35 @@ def _run_grid(session: Session, job: Job, out_dir: str, say) -> dict:
 
 
 def summarize(job: Job, results: list, out_dir: str, seconds: float, session) -> dict:
-    """Medians over seeds per lr; the best lr by its median score."""
+    """Medians over seeds per lr; the best lr by its median score, among the lrs none of
+    whose seeds diverged (a result {"lr", "seed", "diverged": why}): a rate that diverges
+    for some seeds is not one to recommend, whatever its other seeds scored."""
     s, data = job.settings, job.data
     grid = []
     for lr in s.recipe.lrs:
-        runs = [r for r in results if r["lr"] == lr]
-        metrics = {k: statistics.median(r["metrics"][k] for r in runs)
-                   for k in runs[0]["metrics"]}
-        scores = [r["score"] for r in runs]
-        grid.append({"lr": lr, "metrics": metrics, "score": scoring.task_score(metrics),
-                     "score_range": [min(scores), max(scores)],
-                     "runs": [{"seed": r["seed"], "metrics": r["metrics"], "score": r["score"],
-                               "train_seconds": r["train_seconds"]} for r in runs]})
-    best = max(grid, key=lambda g: g["score"])
+        runs = [r for r in results if r["lr"] == lr and "diverged" not in r]
+        row = {"lr": lr, "metrics": None, "score": None, "score_range": None}
+        if runs:
+            metrics = {k: statistics.median(r["metrics"][k] for r in runs)
+                       for k in runs[0]["metrics"]}
+            scores = [r["score"] for r in runs]
+            row.update(metrics=metrics, score=scoring.task_score(metrics),
+                       score_range=[min(scores), max(scores)])
+        row["runs"] = [{"seed": r["seed"], "metrics": r["metrics"], "score": r["score"],
+                        "train_seconds": r["train_seconds"]} for r in runs]
+        diverged = [r["seed"] for r in results if r["lr"] == lr and "diverged" in r]
+        if diverged:
+            row["diverged_seeds"] = diverged
+        grid.append(row)
+    whole = [g for g in grid if "diverged_seeds" not in g]
+    if not whole:
+        raise TrainingError(
+            "every lr of the grid diverged in at least one seed ("
+            + "; ".join(f"lr {g['lr']:g}: seed(s) {', '.join(map(str, g['diverged_seeds']))}"
+                        for g in grid) + "): no rate to recommend; lower recipe.lrs or use "
+            "trainer.mixed_precision=no (the finished runs' results stay in their folders)")
+    best = max(whole, key=lambda g: g["score"])
+    results = [r for r in results if "diverged" not in r]
     return {
         "task": data.name, "title": data.title, "source": data.source,
         "model": s.model, "checkpoint": job.pretrained.source, "init": s.init,
@@ -245,7 +277,10 @@ def describe_summary(summary: dict) -> str:
     """One line: the task's metrics (median over seeds at the best lr), range, the grid."""
     seeds = len(summary["seeds"])
     lo, hi = summary["score_range"]
-    grid = ", ".join(f"{g['lr']:g}: {100 * g['score']:.2f}" for g in summary["grid"])
+    grid = ", ".join(f"{g['lr']:g}: " + (f"{100 * g['score']:.2f}" if g["score"] is not None
+                                          else "-") +
+                     (f" (diverged: seed(s) {', '.join(map(str, g['diverged_seeds']))})"
+                      if "diverged_seeds" in g else "") for g in summary["grid"])
     return (f"{summary['title']}: {_describe(summary)} (median of {seeds} seed(s) at lr "
             f"{summary['best_lr']:g}; score {100 * summary['score']:.2f}, seeds "
             f"{100 * lo:.2f}-{100 * hi:.2f}); by lr: {grid}; {summary['wall_seconds']:.0f} s")

@@ -38,6 +38,11 @@ MAX_NONFINITE_STEPS = 10
 _LAYER = re.compile(r"bert\.encoder\.layer\.(\d+)\.")
 
 
+class Diverged(TrainingError):
+    """A fine-tune whose loss or gradient went non-finite (past the fp16 scaler's room): an
+    outcome of its learning rate, so a grid records it and goes on with its other runs."""
+
+
 class Stopped(UserError):
     """SIGTERM / Ctrl-C: the fine-tune saved where it was; the same command continues it."""
 
@@ -402,7 +407,7 @@ class FineTune:
         limit = self.precision.nonfinite_limit(MAX_NONFINITE_STEPS) \
             if self.precision.scaler is not None else 1
         if self.nonfinite >= limit:
-            raise TrainingError(f"the fine-tuning loss or gradient was non-finite for "
+            raise Diverged(f"the fine-tuning loss or gradient was non-finite for "
                                 f"{self.nonfinite} consecutive steps (step {step}, lr "
                                 f"{self.lr:g}); lower recipe.lrs or use "
                                 f"trainer.mixed_precision=no")
@@ -472,7 +477,7 @@ class FineTune:
         s = self.session
         self.settle()
         if self.applied == 0:
-            raise TrainingError(f"no step of the fine-tune was applied (all {self.step} had "
+            raise Diverged(f"no step of the fine-tune was applied (all {self.step} had "
                                 f"non-finite gradients, lr {self.lr:g}): its score would be "
                                 f"the untrained head's; lower recipe.lrs or use "
                                 f"trainer.mixed_precision=no")
