@@ -101,11 +101,16 @@ def one_run(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def trainer_arguments(p: argparse.ArgumentParser) -> None:
+    """The options make_trainer reads: the data, the experiment, more overrides."""
     p.add_argument("--data", required=True, help="a bert-prep output folder")
     p.add_argument("--experiment", default="domain_mini")
     p.add_argument("--set", nargs="*", default=[], help="more bert-train overrides")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    trainer_arguments(p)
     p.add_argument("--steps", type=int, default=300, help="steps of each trainer per run")
     p.add_argument("--window", type=int, default=10,
                    help="steps a trainer takes in turn before its numbers are read (a log step)")

@@ -16,7 +16,9 @@ H100); a stage that no longer fits is listed as not run:
                      twentieth of that;
                      tokens/s against the bench's step rate at the same shape; then
                      bench_defer_reads.py at that shape (deferred reads against reading every
-                     step, windows of the 50-step log interval)
+                     step, windows of the 50-step log interval); then profile_train_step.py
+                     (the input pipeline's share of a step, the device's busy time, the
+                     profiler's top operations)
   4. glue            with --glue DIR (GLUE's SST-2/ folder): bert-finetune on SST-2 (8,000
                      sentences; --glue-labels 8000 1000 adds the 1,000-label rows) for the
                      trained model and its random-init control, 5 rates x 3 seeds each, one
@@ -299,6 +301,14 @@ def stage_train(c: Check) -> None:
             sys.executable, "bench/bench_defer_reads.py", "--data", data,
             "--experiment", "gpu_mini", *steps, "--out", c.out / "defer_reads.json",
             "--set", *sizes, "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=150))
+        # Where a step's time goes (the H200 trained at 0.51x the bench's step rate): the
+        # input pipeline's share, the device's busy time, the profiler's top operations.
+        steps = ["--warmup", "2", "--steps", "4", "--window", "2", "--profile", "2"] if quick \
+            else ["--warmup", "50", "--steps", "200", "--window", "50", "--profile", "20"]
+        records.append(c.run("train", "profile_train_step", [
+            sys.executable, "bench/profile_train_step.py", "--data", data,
+            "--experiment", "gpu_mini", *steps, "--out", c.out / "profile_train_step.json",
+            "--set", *sizes, "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=120))
     c.results["train"] = dict(stage="train", runs=records, run_dir=str(run_dir),
                               resumed_dir=str(c.out / "run_gpu_mini_resumed"),
                               first_run_records=first_windows,
@@ -429,6 +439,19 @@ def _train_rates(c: Check) -> dict:
         final_eval={k: v for r in records for k, v in r.items() if k.startswith("eval_")})
 
 
+def _profile_lines(c: Check) -> list[str]:
+    path = c.out / "profile_train_step.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    busy = (f"; the device busy {r['device_busy_ms']:.2f} ms of it (the rest the host's)"
+            if r.get("device_busy_ms") is not None else "")
+    return ["", f"## A gpu_mini step (profile_train_step.py, {r['steps']} steps)", "",
+            f"{r['wall_ms']:.2f} ms a step, the input pipeline {r['data_ms']:.2f} ms of it "
+            f"({100 * r['data_share']:.0f}%){busy}; top operations in "
+            f"profile_train_step.txt."]
+
+
 def _defer_lines(c: Check) -> list[str]:
     path = c.out / "defer_reads.json"
     if not path.is_file():
@@ -550,6 +573,7 @@ def write_summary(c: Check, env: dict) -> str:
                   + f"; {rates['last_step']} steps in all.",
                   f"Final evaluation: {json.dumps(rates['final_eval'])}"]
     lines += _defer_lines(c)
+    lines += _profile_lines(c)
     lines += _glue_lines(c)
     text = "\n".join(lines) + "\n"
     (c.out / "summary.md").write_text(text)

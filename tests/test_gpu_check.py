@@ -58,6 +58,7 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
     statuses = {name: r["status"] for name, r in records.items()}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
+                        "profile_train_step": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
     # the compile bench comes last, after the suites
@@ -74,6 +75,11 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
     assert defer["args"]["experiment"] == "gpu_mini" and defer["runs"][0]["read_ms"] > 0
     assert "model=bert_tiny" in defer["args"]["set"]
     assert "## Deferred reads (bench_defer_reads.py, gpu_mini, windows of 2 steps" in summary
+    # where a step's time goes: the input pipeline's share, the profiler's tables
+    profile = json.loads((out / "profile_train_step.json").read_text())
+    assert profile["device"] == "cpu" and 0 < profile["data_ms"] < profile["wall_ms"]
+    assert "## A gpu_mini step (profile_train_step.py, 4 steps)" in summary
+    assert "by the host's own time" in (out / "profile_train_step.txt").read_text()
     # the control beside the model, the gap said
     assert "| pretrained | " in summary and "| random | " in summary
     assert "Pretrained minus random init: " in summary
@@ -104,6 +110,7 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
                 for r in stage.get("runs", [stage])}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
+                        "profile_train_step": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "finetune_pretrained_1e-4_n1000": "ok", "finetune_random_1e-4_n1000": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses

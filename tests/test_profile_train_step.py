@@ -1,0 +1,32 @@
+"""bench/profile_train_step.py: where a training step's time goes, the input pipeline timed on
+its own and the profiler's tables written; bad arguments refused in one line."""
+import json
+import os
+import sys
+
+import pytest
+
+from train_support import REPO, write_prepared
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import profile_train_step  # noqa: E402
+
+
+def test_a_step_is_split_into_the_input_pipeline_and_the_rest(tmp_path, capsys):
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    out = tmp_path / "profile.json"
+    profile_train_step.main(["--data", data, "--experiment", "smoke", "--warmup", "1",
+                             "--steps", "4", "--window", "2", "--profile", "2",
+                             "--set", "trainer.mixed_precision=no", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["device_busy_ms"] is None
+    assert 0 < result["data_ms"] < result["wall_ms"]
+    assert result["data_share"] == pytest.approx(result["data_ms"] / result["wall_ms"])
+    tables = out.with_suffix(".txt").read_text()
+    assert "smoke on cpu, 2 steps: by the host's own time" in tables and "aten::" in tables
+    assert "the input pipeline" in capsys.readouterr().out
+
+
+def test_steps_below_one_are_refused(tmp_path):
+    with pytest.raises(SystemExit, match="--steps, --window and --profile must be at least 1"):
+        profile_train_step.main(["--data", str(tmp_path), "--steps", "0"])
