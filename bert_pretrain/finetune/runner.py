@@ -408,9 +408,8 @@ class FineTune:
             if self.precision.scaler is not None else 1
         if self.nonfinite >= limit:
             raise Diverged(f"the fine-tuning loss or gradient was non-finite for "
-                                f"{self.nonfinite} consecutive steps (step {step}, lr "
-                                f"{self.lr:g}); lower recipe.lrs or use "
-                                f"trainer.mixed_precision=no")
+                           f"{self.nonfinite} consecutive steps (step {step}, lr {self.lr:g}); "
+                           f"lower recipe.lrs or use trainer.mixed_precision=no")
 
     def _log(self) -> None:
         """The log window's record (every log_every steps and the last; settled first)."""
@@ -478,9 +477,9 @@ class FineTune:
         self.settle()
         if self.applied == 0:
             raise Diverged(f"no step of the fine-tune was applied (all {self.step} had "
-                                f"non-finite gradients, lr {self.lr:g}): its score would be "
-                                f"the untrained head's; lower recipe.lrs or use "
-                                f"trainer.mixed_precision=no")
+                           f"non-finite gradients, lr {self.lr:g}): its score would be the "
+                           f"untrained head's; lower recipe.lrs or use "
+                           f"trainer.mixed_precision=no")
         train_seconds = self.elapsed
         start = time.perf_counter()
         metrics = self.evaluate()
