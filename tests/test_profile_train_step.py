@@ -30,3 +30,12 @@ def test_a_step_is_split_into_the_input_pipeline_and_the_rest(tmp_path, capsys):
 def test_steps_below_one_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="--steps, --window and --profile must be at least 1"):
         profile_train_step.main(["--data", str(tmp_path), "--steps", "0"])
+
+
+def test_missing_data_and_an_unknown_key_are_one_line(tmp_path):
+    """bert-train's own message or Hydra's first line, no traceback (both bench scripts build
+    their trainer the same way, bench_defer_reads.make_trainer)."""
+    with pytest.raises(SystemExit, match=r"error: data.dir '.*nope' does not exist; run bert-prep"):
+        profile_train_step.main(["--data", str(tmp_path / "nope"), "--steps", "1"])
+    with pytest.raises(SystemExit, match=r"error: Could not override 'trainer.nope'\.$"):
+        profile_train_step.main(["--data", str(tmp_path), "--set", "trainer.nope=1"])
