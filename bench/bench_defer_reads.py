@@ -39,26 +39,28 @@ def make_trainer(args, run_dir: str, defer: bool):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from bert_pretrain.config import register, settings
+    from bert_pretrain.cli_errors import fail, precheck, suggest_from
+    from bert_pretrain.config import TrainConfig, register, settings
     from bert_pretrain.errors import UserError
+    from bert_pretrain.train import CONF_DIR, SCHEMAS
     from bert_pretrain.trainer import Trainer
 
     overrides = [f"experiment={args.experiment}", f"data.dir={args.data}", f"run_dir={run_dir}",
                  "trainer.eval_every=1000000", "trainer.checkpoint_every=1000000",
                  "trainer.progress_bar=false", "trainer.report=false",
                  f"trainer.defer_reads={str(defer).lower()}", *args.set]
-    from hydra.errors import HydraException
-
+    prog = Path(sys.argv[0]).stem
     register()
+    # bert-train's own check of the overrides: a key that is not there is one line, with its
+    # 'did you mean', not Hydra's trace
+    precheck(prog, CONF_DIR, "train", overrides, suggest=suggest_from(TrainConfig),
+             schemas=SCHEMAS)
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "train"), version_base="1.3"):
-        try:
-            cfg = compose(config_name="train", overrides=overrides)
-        except HydraException as exc:  # a key that is not there: Hydra's first line says which
-            sys.exit(f"{Path(sys.argv[0]).stem}: error: {str(exc).splitlines()[0]}")
+        cfg = compose(config_name="train", overrides=overrides)
     try:
         return Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
     except UserError as exc:  # (missing data, a bad override: bert-train's one line, not a trace)
-        sys.exit(f"{Path(sys.argv[0]).stem}: error: {exc}")
+        fail(prog, str(exc))
 
 
 def one_run(args) -> dict:

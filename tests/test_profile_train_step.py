@@ -2,6 +2,7 @@
 its own and the profiler's tables written; bad arguments refused in one line."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -32,10 +33,18 @@ def test_steps_below_one_are_refused(tmp_path):
         profile_train_step.main(["--data", str(tmp_path), "--steps", "0"])
 
 
-def test_missing_data_and_an_unknown_key_are_one_line(tmp_path):
-    """bert-train's own message or Hydra's first line, no traceback (both bench scripts build
-    their trainer the same way, bench_defer_reads.make_trainer)."""
-    with pytest.raises(SystemExit, match=r"error: data.dir '.*nope' does not exist; run bert-prep"):
+def test_missing_data_and_an_unknown_key_are_one_line(tmp_path, capsys):
+    """bert-train's own messages (its check of the overrides, with 'did you mean'), one line
+    and exit status 2, no traceback (both bench scripts build their trainer the same way,
+    bench_defer_reads.make_trainer)."""
+    with pytest.raises(SystemExit) as exit_:
         profile_train_step.main(["--data", str(tmp_path / "nope"), "--steps", "1"])
-    with pytest.raises(SystemExit, match=r"error: Could not override 'trainer.nope'\.$"):
-        profile_train_step.main(["--data", str(tmp_path), "--set", "trainer.nope=1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"error: data.dir '.*nope' does not exist; run bert-prep", err), err
+    with pytest.raises(SystemExit) as exit_:
+        profile_train_step.main(["--data", str(tmp_path), "--set", "trainer.max_step=1"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "Could not override 'trainer.max_step'" in err, err
+    assert "did you mean trainer.max_steps?" in err, err
