@@ -5,6 +5,7 @@ and that a fine-tune logs, skips, stops, saves, resumes and scores exactly as th
 fine-tune reading every step."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -113,8 +114,10 @@ def test_a_non_finite_step_inside_a_window_stops_before_anything_after_it_is_sav
         setup, tmp_path, monkeypatch, mode):
     """Step 5's gradient is nan (fp32: the first such step stops a fine-tune). Reading every
     step stops there; deferring skips the update on the device and stops at the next settle,
-    the checkpoint of step 8, before saving it. Both name step 5, leave step 4's checkpoint as
-    the newest and the weights as step 4 left them."""
+    the checkpoint of step 8, before saving it. Both name step 5, save nothing after step 4's
+    checkpoint (the weights as step 4 left them), and record the divergence at step 5 in place
+    of a resume state."""
+
     from bert_pretrain.finetune.runner import FineTune
     from bert_pretrain.model import BertForSequenceClassification
 
@@ -135,10 +138,19 @@ def test_a_non_finite_step_inside_a_window_stops_before_anything_after_it_is_sav
                                        zip(before, self.raw_model.parameters()))
         return out
 
+    saved, real_save = [], FineTune.save
+
+    def save(self):
+        path = real_save(self)
+        saved.append(os.path.basename(path))
+        return path
+
     monkeypatch.setattr(BertForSequenceClassification, "forward", poisoned)
     monkeypatch.setattr(FineTune, "train_step", step)
+    monkeypatch.setattr(FineTune, "save", save)
     with pytest.raises(TrainingError, match=r"non-finite for 1 consecutive steps \(step 5, "):
         fine_tune(setup, tmp_path / "out", "trainer.log_every=100", *mode)
-    saved = sorted(p.name for p in (tmp_path / "out" / RUN / "checkpoints").glob("step-*"))
     assert saved == ["step-00000004"] and current["unchanged"]
     assert not (tmp_path / "out" / RUN / "result.json").exists()
+    assert json.loads((tmp_path / "out" / RUN / "diverged.json").read_text())["step"] == 5
+    assert not (tmp_path / "out" / RUN / "checkpoints").exists()

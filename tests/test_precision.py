@@ -273,6 +273,23 @@ def test_a_grid_goes_on_past_a_run_that_diverged(pretrained, tmp_path, monkeypat
     assert json.loads((out / "finetune.json").read_text())["grid"] == summary["grid"]
     assert (out / "lr0.001-seed1" / "result.json").exists()
     assert not (out / "lr0.001-seed2" / "result.json").exists()
+    record = json.loads((out / "lr0.001-seed2" / "diverged.json").read_text())
+    assert (record["lr"], record["seed"], record["step"]) == (1e-3, 2, 1)
+    assert not (out / "lr0.001-seed2" / "checkpoints").exists()
+    # The same command again trains nothing: the diverged run is read back from its record
+    # (resuming it would only diverge again), the finished ones from their results.
+    trained = []
+    monkeypatch.setattr(FineTune, "train_step", lambda self: trained.append(1) or step(self))
+    again = _fine_tune(pretrained, out, "trainer.mixed_precision=no",
+                       "recipe.lrs=[1e-3,3e-4]", "recipe.seeds=[1,2]")
+    said = capsys.readouterr().out
+    assert trained == [] and again["grid"] == summary["grid"]
+    assert (f"lr 0.001 seed 2: diverged: the fine-tuning loss or gradient was non-finite for 1 "
+            f"consecutive steps (step 1, lr 0.001); lower recipe.lrs or use "
+            f"trainer.mixed_precision=no (an earlier run, recorded in "
+            f"{out / 'lr0.001-seed2' / 'diverged.json'}; delete {out / 'lr0.001-seed2'} to "
+            f"fine-tune it again); the grid goes on") in said
+    monkeypatch.setattr(FineTune, "train_step", step)
     with pytest.raises(TrainingError, match=r"^the fine-tuning loss or gradient was non-finite "
                        r"for 1 consecutive steps \(step 1, lr 0.01\)"):
         _fine_tune(pretrained, tmp_path / "all", "trainer.mixed_precision=no",

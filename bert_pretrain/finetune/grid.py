@@ -14,8 +14,9 @@ Layout of out_dir:
                               run that diverged (non-finite loss or gradient) is no error of
                               the grid: its lr's row lists it in `diverged_seeds`, and such an
                               lr is never the best one
-    lr3e-05-seed1/            one fine-tune: identity.json, metrics.jsonl, result.json,
-                              checkpoints/ while running
+    lr3e-05-seed1/            one fine-tune: identity.json, metrics.jsonl, result.json (or
+                              diverged.json: why; a rerun reports it from there), checkpoints/
+                              while running
     model/                    (trainer.save_model=best) the best lr's median-seed model: a
                               transformers BertForSequenceClassification directory, with the
                               identity of its fine-tune.  When a rerun (other seeds or rates)

@@ -30,6 +30,7 @@ from ..components.evaluation import model_inputs
 from .batches import TrainOrder, collate, eval_batches
 
 RESULT_FILE = "result.json"
+DIVERGED_FILE = "diverged.json"
 METRICS_FILE = "metrics.jsonl"
 MODEL_DIR = "model"
 # Consecutive skipped (non-finite) steps after which a fine-tune stops, before the room an fp16
@@ -41,6 +42,11 @@ _LAYER = re.compile(r"bert\.encoder\.layer\.(\d+)\.")
 class Diverged(TrainingError):
     """A fine-tune whose loss or gradient went non-finite (past the fp16 scaler's room): an
     outcome of its learning rate, so a grid records it and goes on with its other runs."""
+
+    def __init__(self, message: str, step: Optional[int] = None):
+        super().__init__(message)
+        self.step = step
+        """The step that stopped it (a deferring fine-tune learns of it a few steps later)."""
 
 
 class Stopped(UserError):
@@ -205,6 +211,13 @@ class FineTune:
             return done
         self.trained = True
         self._setup()
+        try:
+            return self._train(progress_desc)
+        except Diverged as exc:
+            self._record_divergence(exc)
+            raise
+
+    def _train(self, progress_desc: str) -> dict:
         start_time = time.perf_counter() - self.elapsed
         bar = self._progress_bar(progress_desc)
         from ..components.stop_request import StopRequest  # SIGTERM / Ctrl-C: finish the step, save
@@ -240,6 +253,16 @@ class FineTune:
         return self._finish()
 
     def _finished_result(self) -> Optional[dict]:
+        """A finished run's result; a run that diverged raises its Diverged again, from the
+        record it left (the same settings diverge the same way: resuming its last checkpoint
+        only repeated the divergence)."""
+        file = os.path.join(self.run_dir, DIVERGED_FILE)
+        if os.path.isfile(file):
+            with open(file, encoding="utf-8") as f:
+                record = json.load(f)
+            self._check_identity(record.get("identity"), file)
+            raise Diverged(f"{record['diverged']} (an earlier run, recorded in {file}; delete "
+                           f"{self.run_dir} to fine-tune it again)", record["step"])
         file = os.path.join(self.run_dir, RESULT_FILE)
         if not os.path.isfile(file):
             return None
@@ -247,6 +270,19 @@ class FineTune:
             result = json.load(f)
         self._check_identity(result.get("identity"), file)
         return result
+
+    def _record_divergence(self, exc: Diverged) -> None:
+        """diverged.json marks the run done, as result.json marks a finished one; its resume
+        state goes (resuming it only repeats the divergence)."""
+        from ..components.checkpoint_manager import checkpoints_root
+
+        if self.session.main:
+            _write_json(os.path.join(self.run_dir, DIVERGED_FILE),
+                        {"lr": self.lr, "seed": self.seed,
+                         "step": self.step if exc.step is None else exc.step,
+                         "diverged": str(exc), "identity": self.identity})
+            shutil.rmtree(checkpoints_root(self.run_dir), ignore_errors=True)
+        self.session.barrier()
 
     def _check_identity(self, saved: Optional[dict], where: str) -> None:
         """A result or checkpoint inside this run's folder (which records this identity) that
@@ -409,7 +445,7 @@ class FineTune:
         if self.nonfinite >= limit:
             raise Diverged(f"the fine-tuning loss or gradient was non-finite for "
                            f"{self.nonfinite} consecutive steps (step {step}, lr {self.lr:g}); "
-                           f"lower recipe.lrs or use trainer.mixed_precision=no")
+                           f"lower recipe.lrs or use trainer.mixed_precision=no", step)
 
     def _log(self) -> None:
         """The log window's record (every log_every steps and the last; settled first)."""
@@ -479,7 +515,7 @@ class FineTune:
             raise Diverged(f"no step of the fine-tune was applied (all {self.step} had "
                            f"non-finite gradients, lr {self.lr:g}): its score would be the "
                            f"untrained head's; lower recipe.lrs or use "
-                           f"trainer.mixed_precision=no")
+                           f"trainer.mixed_precision=no", self.step)
         train_seconds = self.elapsed
         start = time.perf_counter()
         metrics = self.evaluate()
