@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+# libkineto (torch.profiler's backend) writes a line to stderr at each profiler start and stop
+# (its USDT level, 5, its highest): only level 6 drops them, and with them its own errors, so a
+# GPU profile without device times says so below (KINETO_LOG_LEVEL=0 shows kineto's log).
+# Read when torch loads, so set before any import of it.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -80,6 +87,9 @@ def profile(args) -> tuple[dict, str]:
             steps(args.profile)
         events = prof.key_averages()
         busy = sum(_device_time(e) for e in events) / 1e3 / args.profile  # ms a step
+        if device.type == "cuda" and busy == 0:
+            print("profile_train_step: the profiler recorded no device time on the GPU (CUPTI "
+                  "unavailable?); rerun with KINETO_LOG_LEVEL=0 to see its log", file=sys.stderr)
         tables = [f"# {args.experiment} on {device}, {args.profile} steps: by the host's own "
                   f"time", events.table(sort_by="self_cpu_time_total", row_limit=args.rows)]
         if device.type == "cuda":

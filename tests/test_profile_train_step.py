@@ -48,3 +48,23 @@ def test_missing_data_and_an_unknown_key_are_one_line(tmp_path, capsys):
     assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert "Could not override 'trainer.max_step'" in err, err
     assert "did you mean trainer.max_steps?" in err, err
+
+
+def test_the_profiler_writes_nothing_on_stderr(tmp_path):
+    """libkineto's start/stop lines (its USDT level) would be the only stderr of a good run:
+    the script sets KINETO_LOG_LEVEL before torch loads. (A subprocess: this test process
+    loaded torch long before.)"""
+    import subprocess
+
+    from time_limits import hang_limit
+
+    data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "profile_train_step.py"), "--data", data,
+         "--experiment", "smoke", "--warmup", "1", "--steps", "2", "--window", "1",
+         "--profile", "1", "--set", "trainer.mixed_precision=no",
+         "--out", str(tmp_path / "profile.json")],
+        capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=hang_limit())
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and "the input pipeline" in done.stdout
