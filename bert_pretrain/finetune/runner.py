@@ -261,8 +261,9 @@ class FineTune:
             with open(file, encoding="utf-8") as f:
                 record = json.load(f)
             self._check_identity(record.get("identity"), file)
-            raise Diverged(f"{record['diverged']} (an earlier run, recorded in {file}; delete "
-                           f"{self.run_dir} to fine-tune it again)", record["step"])
+            raise Diverged(f"{record.get('diverged', 'it diverged')} (an earlier run, recorded "
+                           f"in {file}; delete {self.run_dir} to fine-tune it again)",
+                           record.get("step"))
         file = os.path.join(self.run_dir, RESULT_FILE)
         if not os.path.isfile(file):
             return None
