@@ -117,7 +117,6 @@ def test_a_non_finite_step_inside_a_window_stops_before_anything_after_it_is_sav
     the checkpoint of step 8, before saving it. Both name step 5, save nothing after step 4's
     checkpoint (the weights as step 4 left them), and record the divergence at step 5 in place
     of a resume state."""
-
     from bert_pretrain.finetune.runner import FineTune
     from bert_pretrain.model import BertForSequenceClassification
 
