@@ -146,7 +146,8 @@ class Trainer:
     def _setup_data(self) -> None:
         from .components.run_setup import open_training_data
 
-        self.data, self.stream = open_training_data(self.s, self.world, self.rank)
+        self.data, self.stream = open_training_data(self.s, self.world, self.rank,
+                                                    self.accelerator.device.type)
         self.micro, self.accumulation = self.stream.micro_batch_size, \
             self.stream.accumulation_steps
         eval_info = self.data.manifest["splits"].get(self.s.data.eval_split)
@@ -739,6 +740,8 @@ class Trainer:
             self.bar.close()
         if self.stop is not None:
             self.stop.restore()
+        if getattr(self, "stream", None) is not None:
+            self.stream.close()  # its prefetching thread
         self.metrics.close()
         close_run_log()
         self.accelerator.end_training()

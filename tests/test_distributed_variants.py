@@ -26,7 +26,10 @@ def prepared(tmp_path_factory) -> str:
     # speed switches under DDP and accumulation (docs/model.md's switch matrix): nested
     # tensors recomputed by gradient checkpointing, with the fused projection
     ["impl.varlen_attention=nested", "impl.gradient_checkpointing=true", "impl.fused_qkv=true"],
-], ids=["relative_key", "pre_ln", "nested_checkpointing"])
+    # each process's batches read ahead by its own worker process, with dynamic masks on a
+    # schedule (tests/test_prefetch.py: the same batches as without it in one process)
+    ["trainer.prefetch=true", "data.masking=dynamic", "data.masked_lm_prob_start=0.4"],
+], ids=["relative_key", "pre_ln", "nested_checkpointing", "prefetch"])
 def test_two_processes_equal_one_process_with_accumulation(prepared, tmp_path, variant):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     train_1proc(f"data.dir={prepared}", f"run_dir={one_dir}", "trainer.micro_batch_size=4",
@@ -34,6 +37,8 @@ def test_two_processes_equal_one_process_with_accumulation(prepared, tmp_path, v
     r = train_accelerate(2, f"data.dir={prepared}", f"run_dir={two_dir}", *variant)
     assert "2 process(es), global batch 8 = 2 x 4 x 1 accumulation" in r.stdout, r.stdout
     assert r.stdout.count("bert-train: finished at step 6") == 1
+    if "trainer.prefetch=true" in variant:
+        assert "batches read ahead by a worker process (trainer.prefetch=true)" in r.stdout
     one, two = train_records(one_dir), train_records(two_dir)
     assert sorted(two) == list(range(1, 7))
     assert_same_trajectory(one, two, range(1, 7))

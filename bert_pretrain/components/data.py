@@ -397,38 +397,61 @@ class Masker:
                  index: np.ndarray, prob: Optional[float] = None):
         """Returns (masked ids [B, L], labels [B, L] with IGNORE_INDEX where not predicted);
         `prob`: this call's masking rate (default: the masker's)."""
-        prob = self.prob if prob is None else prob
+        return self.apply(self.draw(ids, lengths, epoch, index), prob)
+
+    def draw(self, ids: np.ndarray, lengths: np.ndarray, epoch: np.ndarray,
+             index: np.ndarray) -> dict:
+        """Everything of a masking that does not depend on the rate: which tokens may be
+        predicted, their order of choice, and what each would become. `apply` then takes a
+        rate; the split lets a worker process draw the next steps' masks before their rates
+        are known (a time budget sets them from the clock), with the same result. Its arrays
+        are kept in the narrowest types that hold them: they cross to the trainer in shared
+        memory (prefetch.py)."""
         b, seq = ids.shape
         pos = np.arange(seq)[None, :]
         e, i = epoch[:, None], index[:, None]
+        token = np.uint16 if len(self.special) <= 1 << 16 else np.int32
+        place = np.int16 if seq < 1 << 15 else np.int64
         candidate = (pos < lengths[:, None]) & ~self.special[ids]
-        num_predict = np.minimum(self.max_predictions(prob),
-                                 np.maximum(1, np.rint(lengths * prob))).astype(np.int64)
-        num_predict = np.minimum(num_predict, candidate.sum(1))
+        out = {"ids": ids.astype(token), "lengths": lengths, "candidate": candidate,
+               "candidates": candidate.sum(1)}
         decide_at = np.broadcast_to(pos, (b, seq))
         if self.whole_word:
-            chosen, decide_at = self._choose_words(ids, candidate, num_predict, e, i, pos)
+            words, decide_at = self._word_order(ids, candidate, e, i, pos)
+            out["words"] = tuple(w.astype(place) for w in words)
         else:
             score = hash_uniform(self.seed, 1, e, i, pos)
             score = np.where(candidate, score, np.inf)
             rank = np.empty((b, seq), dtype=np.int64)
             np.put_along_axis(rank, np.argsort(score, axis=1, kind="stable"),
                               np.broadcast_to(pos, (b, seq)), axis=1)
-            chosen = candidate & (rank < num_predict[:, None])
+            out["rank"] = rank.astype(place)
         action = hash_uniform(self.seed, 2, e, i, decide_at)
         pick = hash_uniform(self.seed, 3, e, i, pos)
         replacement = self.random_pool[(pick * len(self.random_pool)).astype(np.int64)]
-        out = ids.copy()
-        out[chosen & (action < 0.8)] = self.mask_id
-        rand = chosen & (action >= 0.9)
-        out[rand] = replacement[rand]
+        # What a chosen token becomes: 80% [MASK], 10% a random token, 10% itself.
+        out["swapped"] = np.where(action < 0.8, self.mask_id,
+                                  np.where(action >= 0.9, replacement, ids)).astype(token)
+        return out
+
+    def apply(self, drawn: dict, prob: Optional[float] = None):
+        """`draw`'s masking at rate `prob` (default: the masker's): (masked ids, labels)."""
+        prob = self.prob if prob is None else prob
+        ids, lengths = drawn["ids"].astype(np.int64), drawn["lengths"]
+        num_predict = np.minimum(self.max_predictions(prob),
+                                 np.maximum(1, np.rint(lengths * prob))).astype(np.int64)
+        num_predict = np.minimum(num_predict, drawn["candidates"])
+        if self.whole_word:
+            chosen = self._choose_words(drawn["candidate"], num_predict, *drawn["words"])
+        else:
+            chosen = drawn["candidate"] & (drawn["rank"] < num_predict[:, None])
+        out = np.where(chosen, drawn["swapped"].astype(np.int64), ids)
         labels = np.where(chosen, ids, IGNORE_INDEX)
         return out, labels
 
-    def _choose_words(self, ids, candidate, num_predict, e, i, pos):
-        """Google's rule: words in random order, each taken whole if it still fits the budget
-        (a word that does not fit is skipped, later shorter ones may still fit).  The loop runs
-        over word ranks, vectorised over the batch."""
+    def _word_order(self, ids, candidate, e, i, pos):
+        """Whole-word masking's draw: ((each token's word start, words' random order, their
+        lengths in that order), each token's word start, where its 80/10/10 is decided)."""
         b, seq = ids.shape
         is_start = candidate & ~(self.continuation[ids] & np.roll(candidate, 1, axis=1))
         start = np.maximum.accumulate(np.where(is_start | ~candidate, pos, 0), axis=1)
@@ -438,6 +461,14 @@ class Masker:
         score = np.where(is_start, hash_uniform(self.seed, 1, e, i, pos), np.inf)
         order = np.argsort(score, axis=1, kind="stable")
         sorted_len = np.take_along_axis(np.where(is_start, word_len, 0), order, axis=1)
+        return (start, order, sorted_len), start
+
+    @staticmethod
+    def _choose_words(candidate, num_predict, start, order, sorted_len):
+        """Google's rule: words in random order, each taken whole if it still fits the budget
+        (a word that does not fit is skipped, later shorter ones may still fit).  The loop runs
+        over word ranks, vectorised over the batch."""
+        b, seq = candidate.shape
         taken = np.zeros((b, seq), dtype=bool)
         count = np.zeros(b, dtype=np.int64)
         for k in range(seq):
@@ -449,7 +480,7 @@ class Masker:
             taken[:, k] = fits
         chosen_start = np.zeros((b, seq), dtype=bool)
         np.put_along_axis(chosen_start, order, taken, axis=1)
-        return candidate & np.take_along_axis(chosen_start, start, axis=1), start
+        return candidate & np.take_along_axis(chosen_start, start, axis=1)
 
 
 def collate(rows: dict, pad_to_multiple_of: int, masked=None) -> dict:
@@ -520,7 +551,8 @@ class TrainStream:
     a number that grows during the warmup and is the same on every process."""
 
     def __init__(self, data: PreparedData, cfg: DataConfig, seed: int, global_batch_size: int,
-                 micro_batch_size: int, world_size: int, rank: int, samples_consumed: int = 0):
+                 micro_batch_size: int, world_size: int, rank: int, samples_consumed: int = 0,
+                 prefetch: bool = False):
         self.ramp = batch_ramp(cfg.batch_warmup_start, cfg.batch_warmup_tokens,
                                cfg.batch_warmup_lr_scaling, global_batch_size,
                                data.max_seq_length)
@@ -536,6 +568,9 @@ class TrainStream:
         self.position = DataPosition(samples_consumed)
         self.masker = Masker(data, seed, cfg.masked_lm_prob) if cfg.masking == "dynamic" else None
         self._perm_epoch, self._perm = -1, None
+        self.prefetch = prefetch
+        self.data_root = data.root
+        self._ahead = None
 
     @property
     def epoch(self) -> float:
@@ -573,17 +608,28 @@ class TrainStream:
     def micro_batches(self, start: int, progress: Optional[float] = None) -> list:
         """This rank's micro-batches of the global batch starting at global sample `start`;
         `progress` (share of training done) sets a scheduled masking rate."""
+        return self._finish(self._prepare(start), self.masking_rate(progress))
+
+    def _prepare(self, start: int) -> list:
+        """What the batches at `start` are made of before a masking rate is known: the rows
+        read from the shards and the masks' draws (Masker.draw)."""
         per_rank = self.ramp.size_at(start) // self.world_size
-        prob = self.masking_rate(progress)
         epochs, index = self._instances(start + self.rank * per_rank, per_rank)
         out = []
         for j in range(0, per_rank, self.micro_batch_size):
             e, idx = epochs[j:j + self.micro_batch_size], index[j:j + self.micro_batch_size]
             rows = self.split.gather(idx)
-            masked = None
+            drawn = None
             if self.masker is not None:
-                masked = self.masker(unmasked_ids(rows), rows["lengths"].astype(np.int64), e, idx,
-                                     prob)
+                drawn = self.masker.draw(unmasked_ids(rows), rows["lengths"].astype(np.int64),
+                                         e, idx)
+            out.append((rows, drawn))
+        return out
+
+    def _finish(self, prepared: list, prob: Optional[float]) -> list:
+        out = []
+        for rows, drawn in prepared:
+            masked = None if drawn is None else self.masker.apply(drawn, prob)
             batch = collate(rows, self.cfg.pad_to_multiple_of, masked)
             batch["num_tokens"] = int(rows["lengths"].astype(np.int64).sum())
             out.append(batch)
@@ -592,11 +638,39 @@ class TrainStream:
     def next_step(self, progress: Optional[float] = None) -> list:
         """Micro-batches for the next optimizer step; advances the position by its global batch.
         `progress`: the step's share of training (step / max_steps, or elapsed / budget), the
-        same on every process; needed only by a masking-rate schedule."""
+        same on every process; needed only by a masking-rate schedule.
+
+        With `prefetch`, a worker process reads the following steps' rows and draws their masks
+        (prefetch.py) while this one trains; only the rate is applied here. The batches are the
+        same either way, bit for bit."""
         start = self.position.samples_consumed
-        batches = self.micro_batches(start, progress)
-        self.position.samples_consumed = start + self.ramp.size_at(start)
-        return batches
+        following = start + self.ramp.size_at(start)
+        prepared = self._ahead.take(start) if self._ahead is not None else None
+        if prepared is None:  # the first step, or the position moved (a resume)
+            prepared = self._prepare(start)
+            if self.prefetch:
+                from .prefetch import Prefetcher, slot_bytes
+
+                self.close()
+                rows = self.ramp.size_at(start) // self.world_size
+                self._ahead = Prefetcher(self._params(), following, self.ramp.size_at,
+                                         slot_bytes(prepared, rows,
+                                                    self.ramp.final // self.world_size))
+        self.position.samples_consumed = following
+        return self._finish(prepared, self.masking_rate(progress))
+
+    def _params(self) -> dict:
+        """What a worker needs to make this stream again (prefetch.py): small and picklable."""
+        return {"root": self.data_root, "cfg": self.cfg, "seed": self.seed,
+                "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size, "world_size": self.world_size,
+                "rank": self.rank}
+
+    def close(self) -> None:
+        """Stop the prefetching worker, if one runs."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
 
 
 def eval_batches(data: PreparedData, cfg: DataConfig, batch_size: int, world_size: int,

@@ -73,8 +73,8 @@ def make_accelerator(tc):
     return acc, keeps
 
 
-def open_training_data(s, world: int, rank: int):
-    """(PreparedData, TrainStream) for settings `s` on this process."""
+def open_training_data(s, world: int, rank: int, device_type: str = "cpu"):
+    """(PreparedData, TrainStream) for settings `s` on this process (on `device_type`)."""
     from .data import PreparedData, TrainStream
 
     tc = s.trainer
@@ -99,7 +99,8 @@ def open_training_data(s, world: int, rank: int):
             f"raise it to a multiple of {world} or launch fewer processes")
     # (during a batch warmup the micro-batch must divide its smallest batch: its start)
     micro = tc.micro_batch_size or (s.data.batch_warmup_start or tc.global_batch_size) // world
-    return data, TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank)
+    return data, TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank,
+                             prefetch=tc.prefetches(device_type))
 
 
 def build_model(s, data):

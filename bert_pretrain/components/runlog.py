@@ -107,7 +107,10 @@ def start_lines(t) -> list:
         device = t.accelerator.device.type
         switches = describe(impl, cfg, device, dropout=_attention_dropout(t),
                             locality=_locality(tc))
-        lines.append(f"bert-train: speed switches on {device}: {switches}")
+        read = "ahead by a worker process" if t.stream.prefetch else "on the training thread"
+        auto = f" on {device}" if tc.prefetch == "auto" else ""
+        lines.append(f"bert-train: speed switches on {device}: {switches}; batches read {read} "
+                     f"(trainer.prefetch={tc.prefetch}{auto})")
     if not cfg.next_sentence_prediction:
         lines.append("bert-train: MLM only (no NSP head"
                      + (": the data has no sentence pairs)" if not t.data.has_nsp else

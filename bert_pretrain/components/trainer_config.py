@@ -73,6 +73,11 @@ class TrainerConfig:
     AdamW, no fp16 loss scaler): a GPU then keeps working while the host prepares the next
     step. The same numbers and weights either way; false reads every step (a run over
     max_nonfinite_steps then stops at that step, not at the next log)."""
+    prefetch: str = "auto"
+    """Read the next steps' batches (rows from the shards, dynamic masks drawn) in a worker
+    process while this step trains, so the training thread does not stop for them between
+    steps: the same batches either way. auto: on GPUs, whose training thread only launches
+    kernels; not on CPUs, where the model's threads already use every core (true / false)."""
     init_from: Optional[str] = None
     """A checkpoint directory to take the weights from (phase 2): fresh optimizer, schedule
     and data position."""
@@ -117,6 +122,10 @@ class TrainerConfig:
         if self.mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"trainer.mixed_precision must be one of "
                              f"{', '.join(MIXED_PRECISION)}, got {self.mixed_precision!r}")
+        self.prefetch = str(self.prefetch).lower()
+        if self.prefetch not in ("auto", "true", "false"):
+            raise ValueError(f"trainer.prefetch must be auto, true or false, got "
+                             f"{self.prefetch!r}")
         if self.sharding not in ("auto", "ddp", "fsdp"):
             raise ValueError(f"trainer.sharding must be auto, ddp or fsdp, got "
                              f"{self.sharding!r}")
@@ -142,6 +151,10 @@ class TrainerConfig:
         if self.warmup >= self.max_steps and self.budget_hours is None:
             raise ValueError(f"trainer.warmup_steps ({self.warmup}) must be below "
                              f"trainer.max_steps ({self.max_steps})")
+
+    def prefetches(self, device_type: str) -> bool:
+        """Whether batches are read ahead by a worker process on this device (`prefetch`)."""
+        return self.prefetch == "true" or (self.prefetch == "auto" and device_type == "cuda")
 
     def progress(self, step: int, elapsed: float) -> float:
         """The share of training done before `step`: step / max_steps, or with a time budget

@@ -1,0 +1,408 @@
+"""Prefetching (trainer.prefetch): the next steps' rows and mask draws are prepared by a worker
+process while a step trains, and the masking rate is applied on the training thread. These
+tests check that the batches are the same bit for bit as without it, through a masking
+schedule whose rate is only known at the step (a clock), a batch warmup, epoch ends, a resume
+that moves the position and whole-word masking; that the work is done by the worker; that the
+data's own error reaches the trainer as its one line; that the worker ends with the stream;
+and that a run, crashed and resumed, logs the same numbers and weights."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
+from bert_pretrain.errors import DataError
+from time_limits import hang_deadline, hang_limit
+from train_support import CHILD_PYTHONPATH, read_metrics, train_in_process, write_prepared
+
+TIMING = ("tokens_per_s", "elapsed_s")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    return write_prepared(str(tmp_path_factory.mktemp("prep")), num_train=50, num_valid=10,
+                          shards=3)
+
+
+@pytest.fixture(scope="module")
+def whole_words(tmp_path_factory):
+    return write_prepared(str(tmp_path_factory.mktemp("wwm")), num_train=40, num_valid=8,
+                          whole_word=True)
+
+
+SCHEDULE = dict(masking="dynamic", masked_lm_prob_start=0.4, masked_lm_prob=0.15,
+                batch_warmup_start=4, batch_warmup_tokens=32 * 40)
+
+
+def _stream(root, prefetch, world=1, rank=0, **cfg):
+    return TrainStream(PreparedData(root), DataConfig(dir=root, **cfg), seed=3,
+                       global_batch_size=12, micro_batch_size=4 // world, world_size=world,
+                       rank=rank, prefetch=prefetch)
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k], k
+
+
+def _count_prepares(stream) -> list:
+    """Each step this process prepares itself (the others come from the worker)."""
+    calls, prepare = [], stream._prepare
+
+    def counted(start):
+        calls.append(start)
+        return prepare(start)
+
+    stream._prepare = counted
+    return calls
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prefetched_batches_are_the_unprefetched_ones(prepared, world):
+    """Rates drawn at random per step, as a clock would give them: the prefetched draws are
+    rate-free, so each step's batches are what the same step makes on the training thread."""
+    plain = [_stream(prepared, False, world, r, **SCHEDULE) for r in range(world)]
+    ahead = [_stream(prepared, True, world, r, **SCHEDULE) for r in range(world)]
+    here = [_count_prepares(s) for s in ahead]
+    progress = np.random.default_rng(0).uniform(0, 1, size=16)
+    try:
+        for p in progress:          # 16 steps of 4..12 samples: three epochs of 50
+            for a, b in zip(plain, ahead):
+                _same(a.next_step(float(p)), b.next_step(float(p)))
+                assert b.position.samples_consumed == a.position.samples_consumed
+        assert plain[0].epoch > 2
+        assert here == [[0]] * world  # the first step here, the 15 others by the worker
+    finally:
+        for s in ahead:
+            s.close()
+
+
+def test_whole_word_masking_prefetched(whole_words):
+    plain = _stream(whole_words, False, masking="dynamic", masked_lm_prob_start=0.5)
+    ahead = _stream(whole_words, True, masking="dynamic", masked_lm_prob_start=0.5)
+    assert ahead.masker.whole_word
+    here = _count_prepares(ahead)
+    try:
+        for p in (0.0, 0.9, 0.2, 1.0, 0.5, 0.05):
+            _same(plain.next_step(p), ahead.next_step(p))
+        assert here == [0]
+    finally:
+        ahead.close()
+
+
+def test_a_moved_position_is_read_from_there(prepared):
+    """A resume sets the position after the stream is made: the batch prepared for the old
+    position is dropped, never trained on."""
+    ahead = _stream(prepared, True, **SCHEDULE)
+    try:
+        for _ in range(3):
+            ahead.next_step(0.5)
+        ahead.position.samples_consumed = 7
+        fresh = _stream(prepared, False, **SCHEDULE)
+        fresh.position.samples_consumed = 7
+        for p in (0.1, 0.6):
+            _same(fresh.next_step(p), ahead.next_step(p))
+    finally:
+        ahead.close()
+
+
+def test_the_datas_error_reaches_the_trainer_as_its_one_line(tmp_path, prepared):
+    """The worker opens the data again: a shard gone since the trainer opened it is the data's
+    own one-line error in the trainer, at the step that needs it, not a worker's traceback."""
+    data = tmp_path / "data"
+    shutil.copytree(prepared, data)
+    ahead = _stream(str(data), True, **SCHEDULE)
+    try:
+        ahead.next_step(0.0)  # (read here; the worker starts from the next step)
+        os.remove(data / "train" / "shard-00001" / "masked_labels.npy")
+        with pytest.raises(DataError) as info:
+            ahead.next_step(0.1)
+        assert str(info.value).endswith("masked_labels.npy is missing: the prepared data in "
+                                        f"{data} is incomplete; run bert-prep again into a "
+                                        f"fresh output_dir")
+        assert "\n" not in str(info.value)
+    finally:
+        ahead.close()
+
+
+def _children() -> dict:
+    """This process's live children: pid -> command line."""
+    return _children_of(os.getpid())
+
+
+def test_close_ends_the_worker(prepared):
+    before = _children()
+    ahead = _stream(prepared, True, **SCHEDULE)
+    ahead.next_step(0.0)
+    ahead.next_step(0.1)
+    workers = {p: c for p, c in _children().items()
+               if p not in before and "resource_tracker" not in c}
+    assert len(workers) == 1
+    ahead.close()
+    deadline = time.monotonic() + (hang_limit() or 60)
+    while any(p in _children() for p in workers):
+        assert time.monotonic() < deadline, "the worker outlived close()"
+        time.sleep(0.05)
+    assert ahead._ahead is None
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_a_run_logs_the_same_numbers_with_and_without_prefetch(tmp_path, prepared,
+                                                                monkeypatch):
+    """bert-train end to end (dynamic masking on a schedule), the prefetching run crashed after
+    step 6 and resumed from step 4's checkpoint: the metrics and the final weights are the
+    same to the last bit as a run that never prefetched."""
+    from bert_pretrain.components import fault_point
+
+    def run(run_dir, *extra):
+        train_in_process(["experiment=smoke", f"data.dir={prepared}", f"run_dir={run_dir}",
+                          "trainer.mixed_precision=no", "trainer.max_steps=8",
+                          "trainer.log_every=2", "trainer.checkpoint_every=4",
+                          "trainer.eval_every=0", "data.masking=dynamic",
+                          "data.masked_lm_prob_start=0.4", "data.masked_lm_prob=0.15",
+                          "resume=auto", *extra])
+        return [{k: v for k, v in r.items() if k not in TIMING}
+                for r in read_metrics(str(run_dir))]
+
+    plain = run(tmp_path / "plain")  # (auto: not on a CPU)
+
+    def crash(phase, step, rank):
+        if (phase, step) == ("logged", 6):
+            raise _Crash()
+
+    with monkeypatch.context() as m:
+        m.setattr(fault_point, "reached", crash)
+        with pytest.raises(_Crash):
+            run(tmp_path / "ahead", "trainer.prefetch=true")
+    ahead = run(tmp_path / "ahead", "trainer.prefetch=true")
+    log = (tmp_path / "ahead" / "train.log").read_text()
+    assert log.count("batches read ahead by a worker process (trainer.prefetch=true)") == 2
+    assert "batches read on the training thread (trainer.prefetch=auto on cpu)" in \
+        (tmp_path / "plain" / "train.log").read_text()
+    logged = {r["step"]: r for r in plain if "loss" in r}
+    assert sorted(logged) == [2, 4, 6, 8]
+    assert {r["step"]: r for r in ahead if "loss" in r} == logged
+    assert [r for r in ahead if "eval_mlm_loss" in r][-1] == \
+        [r for r in plain if "eval_mlm_loss" in r][-1]
+    final = "checkpoints/step-00000008/model.safetensors"
+    a, b = load_file(str(tmp_path / "ahead" / final)), load_file(str(tmp_path / "plain" / final))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _launch(tmp_path, run_dir, tag, *extra):
+    """bert-train in its own process group, as a scheduler starts a job."""
+    out = open(tmp_path / f"{tag}.out", "w")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": CHILD_PYTHONPATH,
+           "WANDB_MODE": "disabled"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke",
+         f"data.dir={tmp_path / 'data'}", f"run_dir={run_dir}", "trainer.prefetch=true",
+         "trainer.max_steps=100000", "trainer.warmup_steps=2", "trainer.log_every=1",
+         "trainer.checkpoint_every=100000", "trainer.progress_bar=false", "trainer.report=false",
+         f"hydra.run.dir={tmp_path / 'hydra' / tag}", *extra],
+        cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, tmp_path / f"{tag}.out"
+
+
+def _wait_for_steps(proc, run_dir, steps: int) -> None:
+    deadline = hang_deadline()
+    while len([r for r in _logged(run_dir) if "loss" in r]) < steps:
+        assert proc.poll() is None, "bert-train ended before it was signalled"
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("bert-train logged no steps: hung")
+        time.sleep(0.1)
+
+
+def _logged(run_dir):
+    try:
+        with open(run_dir / "metrics.jsonl") as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _workers_of(pid: int) -> list:
+    """The trainer's children but multiprocessing's resource tracker: its data worker."""
+    return [p for p, cmd in _children_of(pid).items() if "resource_tracker" not in cmd]
+
+
+def _children_of(parent: int) -> dict:
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent:
+            out[int(pid)] = cmd
+    return out
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_the_worker_outlives_the_signals_sent_to_the_whole_group(prepared):
+    """Ctrl-C and a scheduler's SIGTERM reach every process of the group: the worker ignores
+    them (the trainer handles them: it finishes its step, saves, and stops the worker), so a
+    step taken after them is still served."""
+    ahead = _stream(prepared, True, **SCHEDULE)
+    plain = _stream(prepared, False, **SCHEDULE)
+    try:
+        _same(plain.next_step(0.0), ahead.next_step(0.0))
+        _same(plain.next_step(0.1), ahead.next_step(0.1))  # (the worker has started)
+        workers = [p for p in _children() if "resource_tracker" not in _children()[p]]
+        assert len(workers) == 1
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.kill(workers[0], sig)
+        time.sleep(0.5)  # (a worker that died of them would be reported by the next take)
+        for p in (0.2, 0.3, 0.4):
+            _same(plain.next_step(p), ahead.next_step(p))
+    finally:
+        ahead.close()
+
+
+@pytest.mark.slow  # (two bert-train processes, ~10 s each)
+def test_a_preemption_signal_to_the_whole_group_still_saves(tmp_path):
+    """A scheduler's SIGTERM reaches every process of the job, the worker too: the worker
+    ignores it, the trainer finishes its step, saves, stops the worker and exits cleanly."""
+    write_prepared(str(tmp_path / "data"), num_train=48, num_valid=8)
+    proc, out = _launch(tmp_path, tmp_path / "run", "term")
+    try:
+        _wait_for_steps(proc, tmp_path / "run", 3)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 1, _children_of(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=hang_limit())
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = out.read_text()
+    assert proc.returncode == 0, text
+    step = int(re.search(r"stop requested: saving at step (\d+) and exiting", text).group(1))
+    assert (tmp_path / "run" / "checkpoints" / f"step-{step:08d}").is_dir()
+    assert "Traceback" not in text and "DataLoader worker" not in text, text
+    assert all(_gone(w) for w in workers)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_leaves_its_folder_free_and_its_worker_ends(tmp_path):
+    """kill -9 of the trainer alone: the worker (a fresh interpreter) holds none of its files,
+    so the same command resumes at once; the worker sees its parent gone and exits."""
+    write_prepared(str(tmp_path / "data"), num_train=48, num_valid=8)
+    every = "trainer.checkpoint_every=2"
+    proc, out = _launch(tmp_path, tmp_path / "run", "first", every)
+    try:
+        _wait_for_steps(proc, tmp_path / "run", 5)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=hang_limit())
+        again, again_out = _launch(tmp_path, tmp_path / "run", "again", every, "resume=auto",
+                                   "trainer.max_steps=8")
+        again.wait(timeout=hang_limit())
+    finally:
+        for p in (proc, locals().get("again")):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    text = again_out.read_text()
+    assert again.returncode == 0, text
+    assert "resumed from" in text and "finished at step 8" in text
+    deadline = hang_deadline()
+    while not all(_gone(w) for w in workers):  # (torch's worker checks its parent every 5 s)
+        assert time.monotonic() < deadline, "the orphaned worker never exited"
+        time.sleep(0.2)
+
+
+def test_too_little_shared_memory_is_one_line_that_says_what_to_do(prepared, monkeypatch):
+    """A container's small /dev/shm: torch refuses the ring up front (it reserves the block),
+    and the trainer says so in one line instead of a worker's bus error later."""
+    from bert_pretrain.errors import ConfigError
+
+    def refused(self):
+        raise RuntimeError("unable to allocate shared memory(shm) for file </torch_1_2>: "
+                           "No space left on device (28)\nmore")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", refused)
+    ahead = _stream(prepared, True, **SCHEDULE)
+    with pytest.raises(ConfigError, match=r"^trainer.prefetch: cannot make \d+ MiB of shared "
+                       r"memory for the batches read ahead \(unable to allocate shared memory"
+                       r"\(shm\) for file </torch_1_2>: No space left on device \(28\)\); give "
+                       r"the machine more \(a container: docker run --shm-size=1g\) or set "
+                       r"trainer.prefetch=false$"):
+        ahead.next_step(0.0)
+    ahead.close()
+
+
+@pytest.mark.parametrize("value, resolved", [("auto", "auto"), ("true", "true"),
+                                             ("false", "false"), ("True", "true")])
+def test_the_setting_takes_auto_true_or_false(value, resolved):
+    from bert_pretrain.components.trainer_config import TrainerConfig
+
+    tc = TrainerConfig(prefetch=value)
+    assert tc.prefetch == resolved
+    assert tc.prefetches("cuda") == (resolved != "false")
+    assert tc.prefetches("cpu") == (resolved == "true")
+
+
+def test_a_bad_setting_is_refused_in_one_line(tmp_path, prepared):
+    from bert_pretrain.config import settings
+    from bert_pretrain.errors import ConfigError
+    from train_support import compose
+
+    cfg = compose(["experiment=smoke", f"data.dir={prepared}", f"run_dir={tmp_path}",
+                   "trainer.prefetch=sometimes"])
+    with pytest.raises(ConfigError, match="^trainer.prefetch must be auto, true or false, got "
+                                          "'sometimes'$"):
+        settings(cfg)
+
+
+def test_a_worker_that_dies_is_one_line_that_says_how_to_go_on(prepared):
+    """The worker killed (the kernel's OOM killer, an operator): the step that needs its batch
+    stops the run with what to do, not the DataLoader's traceback."""
+    from bert_pretrain.errors import TrainingError
+
+    ahead = _stream(prepared, True, **SCHEDULE)
+    try:
+        ahead.next_step(0.0)
+        ahead.next_step(0.1)
+        workers = [p for p in _children() if "resource_tracker" not in _children()[p]]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + (hang_limit() or 60)
+        with pytest.raises(TrainingError, match=r"^the process reading batches ahead stopped "
+                                                r"\(DataLoader worker .*\); resume=auto continues "
+                                                r"from the last checkpoint, and "
+                                                r"trainer.prefetch=false reads them on the "
+                                                r"training thread$"):
+            while time.monotonic() < deadline:  # (its last prepared steps come first)
+                ahead.next_step(0.2)
+    finally:
+        ahead.close()
