@@ -21,7 +21,6 @@ hold every step's numbers on the device when its window ends (both checked in ea
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -32,10 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from benchlib import OtherLoad, median_and_range  # noqa: E402
+from benchlib import OtherLoad, publish  # noqa: E402
 
 
-def make_trainer(args, run_dir: str, defer: bool):
+def make_trainer(args, run_dir: str, defer: bool, same_clock: bool = False):
+    """A Trainer of `args`' run. `same_clock`, for two trainers compared in one process: a
+    time budget (trainer.budget_hours) sets the masking rate, the locality fade and the lr's
+    decay from each trainer's own clock, so the two would take different batches and end
+    apart; the budget is then replaced by a step count far off (progress stays near 0, as in
+    a run's first minutes), which both share."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -57,6 +61,9 @@ def make_trainer(args, run_dir: str, defer: bool):
              schemas=SCHEMAS)
     with initialize_config_dir(config_dir=str(ROOT / "conf" / "train"), version_base="1.3"):
         cfg = compose(config_name="train", overrides=overrides)
+        if same_clock and cfg.trainer.budget_hours is not None:
+            overrides += ["trainer.budget_hours=null", "trainer.max_steps=1000000"]
+            cfg = compose(config_name="train", overrides=overrides)
     try:
         return Trainer(settings(cfg), OmegaConf.to_container(cfg, resolve=True), "")
     except UserError as exc:  # (missing data, a bad override: bert-train's one line, not a trace)
@@ -67,7 +74,8 @@ def one_run(args) -> dict:
     work = tempfile.mkdtemp(prefix="bench_defer_reads_")
     trainers = {}
     try:
-        trainers = {d: make_trainer(args, f"{work}/{d}", d) for d in (True, False)}
+        trainers = {d: make_trainer(args, f"{work}/{d}", d, same_clock=True)
+                    for d in (True, False)}
         if not trainers[True].defer_reads:
             sys.exit("bench_defer_reads: this run can not defer its reads (several processes, "
                      "fp16's scaler or a non-fused optimizer): nothing to compare")
@@ -85,17 +93,7 @@ def one_run(args) -> dict:
         other = load.cores()
         last = {d: trainers[d].train_step().settle().loss for d in trainers}
         device = trainers[True].accelerator.device
-        # On a CPU the two are bit-identical. A GPU's backward adds rows with atomics (the
-        # labelled rows' gather, the embeddings) in whatever order the threads run, so two
-        # runs of one trainer part in the last bits and drift apart over steps: on the H200,
-        # 6.45451 against 6.45433 after 250 steps. There, a difference past that noise is
-        # what would say deferring changed the arithmetic.
-        tolerance = 0.0 if device.type == "cpu" else 1e-3
-        difference = abs(last[True] - last[False]) / max(abs(last[False]), 1e-12)
-        if not difference <= tolerance:
-            sys.exit(f"bench_defer_reads: the two trainers' losses differ ({last[True]} against "
-                     f"{last[False]}, relative {difference:.1e}, allowed {tolerance:g} on "
-                     f"{device.type}): deferring must not change a number")
+        difference = same_losses("bench_defer_reads", last, device.type, "deferring")
         steps = len(times[True]) * args.window
         if held[True] != steps or held[False]:
             sys.exit(f"bench_defer_reads: the deferring trainer held {held[True]} of {steps} "
@@ -112,6 +110,22 @@ def one_run(args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def same_losses(prog: str, last: dict, device_type: str, what: str) -> float:
+    """The two trainers' last losses (`last[True]`, `last[False]`), relative difference; a run
+    ends if they part by more than the device allows.  On a CPU the two are bit-identical. A
+    GPU's backward adds rows with atomics (the labelled rows' gather, the embeddings) in
+    whatever order the threads run, so two runs of one trainer part in the last bits and drift
+    apart over steps: on the H200, 6.45451 against 6.45433 after 250 steps. There, a
+    difference past that noise is what would say `what` changed the arithmetic."""
+    tolerance = 0.0 if device_type == "cpu" else 1e-3
+    difference = abs(last[True] - last[False]) / max(abs(last[False]), 1e-12)
+    if not difference <= tolerance:
+        sys.exit(f"{prog}: the two trainers' losses differ ({last[True]} against "
+                 f"{last[False]}, relative {difference:.1e}, allowed {tolerance:g} on "
+                 f"{device_type}): {what} must not change a number")
+    return difference
+
+
 def trainer_arguments(p: argparse.ArgumentParser) -> None:
     """The options make_trainer reads: the data, the experiment, more overrides."""
     p.add_argument("--data", required=True, help="a bert-prep output folder")
@@ -119,21 +133,36 @@ def trainer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", nargs="*", default=[], help="more bert-train overrides")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    trainer_arguments(p)
+def window_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of two trainers taking windows of steps in turn (one_run)."""
     p.add_argument("--steps", type=int, default=300, help="steps of each trainer per run")
     p.add_argument("--window", type=int, default=10,
                    help="steps a trainer takes in turn before its numbers are read (a log step)")
     p.add_argument("--skip", type=int, default=50, help="first steps left out (warm-up)")
     p.add_argument("--runs", type=int, default=3)
+
+
+def check_windows(prog: str, args, windows: bool = True) -> None:
+    """Refuse --window/--skip that leave nothing to time (`windows`: steps come in windows)."""
+    if args.window < 1:
+        sys.exit(f"{prog}: --window must be at least 1")
+    size = args.window if windows else 1
+    if args.skip < 0 or -(-args.skip // size) >= args.steps // size:
+        sys.exit(f"{prog}: --skip must leave at least one whole window of --steps")
+
+
+FIELDS = (("deferred_ms", "deferred reads (the default)"),
+          ("read_ms", "trainer.defer_reads=false"),
+          ("ratio", "deferred / read"), ("other_load_cores", "other load, cores"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    trainer_arguments(p)
+    window_arguments(p)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "defer_reads.json"))
     args = p.parse_args(argv)
-    if args.window < 1:
-        sys.exit("bench_defer_reads: --window must be at least 1")
-    windows, skipped = args.steps // args.window, -(-args.skip // args.window)
-    if args.skip < 0 or skipped >= windows:
-        sys.exit("bench_defer_reads: --skip must leave at least one whole window of --steps")
+    check_windows("bench_defer_reads", args)
     runs = []
     for r in range(args.runs):
         runs.append(one_run(args))
@@ -141,17 +170,9 @@ def main(argv=None) -> None:
         print(f"run {r + 1}: deferred {row['deferred_ms']:.1f} ms, read every step "
               f"{row['read_ms']:.1f} ms, ratio {row['ratio']:.3f}, other load "
               f"{row['other_load_cores']:.2f} cores", flush=True)
-    summary = median_and_range(runs, ["deferred_ms", "read_ms", "ratio", "other_load_cores"])
-    print(f"\n| {args.experiment} on {runs[0]['device']}, windows of {args.window} steps | ms a "
-          f"step, median (min-max) of {args.runs} runs |\n|---|---:|")
-    for key, label in (("deferred_ms", "deferred reads (the default)"),
-                       ("read_ms", "trainer.defer_reads=false"),
-                       ("ratio", "deferred / read"), ("other_load_cores", "other load, cores")):
-        lo, hi = summary[key + "_range"]
-        print(f"| {label} | {summary[key]:.3f} ({lo:.3f}-{hi:.3f}) |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary},
-                                         indent=2))
+    publish(args.out, args, runs, FIELDS,
+            f"{args.experiment} on {runs[0]['device']}, windows of {args.window} steps",
+            "ms a step")
 
 
 if __name__ == "__main__":

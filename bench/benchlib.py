@@ -17,12 +17,13 @@ import time
 class OtherLoad:
     """All busy CPU time in /proc/stat minus the measured work's own CPU time, per second of wall
     time, from construction to `cores()`.  The measured work is this process
-    (`own="process"`) or the child processes that finished in between (`own="children"`, for a
-    benchmark that runs each measurement as a subprocess)."""
+    (`own="process"`), the child processes that finished in between (`own="children"`, for a
+    benchmark that runs each measurement as a subprocess) or both (`own="both"`, for work with
+    helper processes of its own, ended before `cores()`)."""
 
     def __init__(self, own: str = "process"):
-        if own not in ("process", "children"):
-            raise ValueError(f"own={own!r}: expected 'process' or 'children'")
+        if own not in ("process", "children", "both"):
+            raise ValueError(f"own={own!r}: expected 'process', 'children' or 'both'")
         self.own = own
         self.start = self._sample()
 
@@ -30,7 +31,8 @@ class OtherLoad:
         if self.own == "process":
             return time.process_time()
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return usage.ru_utime + usage.ru_stime
+        children = usage.ru_utime + usage.ru_stime
+        return children + (time.process_time() if self.own == "both" else 0.0)
 
     def _sample(self):
         try:
@@ -49,6 +51,23 @@ class OtherLoad:
             return None
         busy, own, wall = (b - a for a, b in zip(self.start, end))
         return max(busy - own, 0.0) / wall
+
+
+def publish(out: str, args, runs: list[dict], fields, heading: str, unit: str) -> dict:
+    """The runs' medians with their spread: a table on stdout (a row per (field, label) in
+    `fields`, under `heading`) and {"args", "runs", "summary"} as JSON at `out`."""
+    import json
+    from pathlib import Path
+
+    summary = median_and_range(runs, [k for k, _ in fields])
+    print(f"\n| {heading} | {unit}, median (min-max) of {len(runs)} runs |\n|---|---:|")
+    for key, label in fields:
+        lo, hi = summary[key + "_range"]
+        print(f"| {label} | {summary[key]:.3f} ({lo:.3f}-{hi:.3f}) |")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps({"args": vars(args), "runs": runs, "summary": summary},
+                                    indent=2))
+    return summary
 
 
 def median_and_range(rows: list[dict], fields) -> dict:

@@ -18,7 +18,8 @@ H100); a stage that no longer fits is listed as not run:
                      bench_defer_reads.py at that shape (deferred reads against reading every
                      step, windows of the 50-step log interval); then profile_train_step.py
                      (the input pipeline's share of a step, the device's busy time, the
-                     profiler's top operations)
+                     profiler's top operations); then bench_prefetch.py (batches read ahead
+                     by a worker process, the default on CUDA, against the training thread)
   4. glue            with --glue DIR (GLUE's SST-2/ folder): bert-finetune on SST-2 (8,000
                      sentences; --glue-labels 8000 1000 adds the 1,000-label rows) for the
                      trained model and its random-init control, 5 rates x 3 seeds each, one
@@ -292,23 +293,33 @@ def stage_train(c: Check) -> None:
             records.append(c.run("train", "bert_train_resume", common + [
                 f"run_dir={resumed}", "resume=auto", f"trainer.budget_hours={hours * 1.05}"],
                 cap=seconds / 20 + 120))
+        def at_gpu_minis_shape(name, steps, out, cap):
+            """bench/<name>.py on gpu_mini's model and batch. By steps, not the time budget:
+            two trainers, each on its own clock, would take different lrs."""
+            return c.run("train", name, [
+                sys.executable, f"bench/{name}.py", "--data", data, "--experiment",
+                "gpu_mini", *steps, "--out", c.out / out, "--set", *sizes,
+                "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=cap)
+
         # What deferred reads gain on this device: gpu_mini's trainer deferring and the same
         # trainer reading every step, windows of its log interval in turn (bench_defer_reads.py).
-        # By steps, not the time budget: two trainers on one clock would take different lrs.
-        steps = ["--steps", "4", "--window", "2", "--skip", "0", "--runs", "1"] if quick else \
-            ["--steps", "200", "--window", "50", "--skip", "50", "--runs", "3"]
-        records.append(c.run("train", "bench_defer_reads", [
-            sys.executable, "bench/bench_defer_reads.py", "--data", data,
-            "--experiment", "gpu_mini", *steps, "--out", c.out / "defer_reads.json",
-            "--set", *sizes, "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=150))
+        windows = ["--steps", "4", "--window", "2", "--skip", "0", "--runs", "1"] if quick \
+            else ["--window", "50", "--skip", "50", "--runs", "3"]
+        records.append(at_gpu_minis_shape(
+            "bench_defer_reads", windows + ([] if quick else ["--steps", "200"]),
+            "defer_reads.json", 150))
         # Where a step's time goes (the H200 trained at 0.51x the bench's step rate): the
         # input pipeline's share, the device's busy time, the profiler's top operations.
-        steps = ["--warmup", "2", "--steps", "4", "--window", "2", "--profile", "2"] if quick \
-            else ["--warmup", "50", "--steps", "200", "--window", "50", "--profile", "20"]
-        records.append(c.run("train", "profile_train_step", [
-            sys.executable, "bench/profile_train_step.py", "--data", data,
-            "--experiment", "gpu_mini", *steps, "--out", c.out / "profile_train_step.json",
-            "--set", *sizes, "trainer.budget_hours=null", "trainer.max_steps=8000"], cap=120))
+        records.append(at_gpu_minis_shape(
+            "profile_train_step",
+            ["--warmup", "2", "--steps", "4", "--window", "2", "--profile", "2"] if quick
+            else ["--warmup", "50", "--steps", "200", "--window", "50", "--profile", "20"],
+            "profile_train_step.json", 120))
+        # What reading batches ahead in a worker process gains (trainer.prefetch, auto: on
+        # CUDA): the same trainer with and without it, windows of its log interval in turn.
+        records.append(at_gpu_minis_shape(
+            "bench_prefetch", windows + ([] if quick else ["--steps", "150"]), "prefetch.json",
+            150))
     c.results["train"] = dict(stage="train", runs=records, run_dir=str(run_dir),
                               resumed_dir=str(c.out / "run_gpu_mini_resumed"),
                               first_run_records=first_windows,
@@ -452,18 +463,39 @@ def _profile_lines(c: Check) -> list[str]:
             f"profile_train_step.txt."]
 
 
+def _cells(summary: dict, keys) -> dict:
+    """A bench summary's fields as 'median (min-max)'."""
+    return {k: f"{summary[k]:.3f} ({summary[k + '_range'][0]:.3f}-"
+               f"{summary[k + '_range'][1]:.3f})" for k in keys}
+
+
 def _defer_lines(c: Check) -> list[str]:
     path = c.out / "defer_reads.json"
     if not path.is_file():
         return []
     result = json.loads(path.read_text())
     summary, args = result["summary"], result["args"]
-    cells = {k: f"{summary[k]:.3f} ({summary[k + '_range'][0]:.3f}-"
-                f"{summary[k + '_range'][1]:.3f})" for k in ("deferred_ms", "read_ms", "ratio")}
+    cells = _cells(summary, ("deferred_ms", "read_ms", "ratio"))
     return ["", f"## Deferred reads (bench_defer_reads.py, gpu_mini, windows of "
                 f"{args['window']} steps, median of {len(result['runs'])} runs, min-max)", "",
             f"{cells['deferred_ms']} ms a step deferring against {cells['read_ms']} reading "
             f"every step (`trainer.defer_reads=false`): ratio {cells['ratio']}."]
+
+
+def _prefetch_lines(c: Check) -> list[str]:
+    path = c.out / "prefetch.json"
+    if not path.is_file():
+        return []
+    result = json.loads(path.read_text())
+    summary, args = result["summary"], result["args"]
+    cells = _cells(summary, ("prefetch_ms", "inline_ms", "ratio", "prefetch_input_ms",
+                             "inline_input_ms"))
+    return ["", f"## Prefetching (bench_prefetch.py, gpu_mini, windows of {args['window']} "
+                f"steps, median of {len(result['runs'])} runs, min-max)", "",
+            f"{cells['prefetch_ms']} ms a step with batches read ahead by a worker process "
+            f"against {cells['inline_ms']} on the training thread (`trainer.prefetch=false`): "
+            f"ratio {cells['ratio']}; the training thread's share of the input "
+            f"{cells['prefetch_input_ms']} ms against {cells['inline_input_ms']}."]
 
 
 def _glue_results(c: Check) -> dict:
@@ -574,6 +606,7 @@ def write_summary(c: Check, env: dict) -> str:
                   f"Final evaluation: {json.dumps(rates['final_eval'])}"]
     lines += _defer_lines(c)
     lines += _profile_lines(c)
+    lines += _prefetch_lines(c)
     lines += _glue_lines(c)
     text = "\n".join(lines) + "\n"
     (c.out / "summary.md").write_text(text)

@@ -1,7 +1,9 @@
 """Where a `bert-train` step's time goes: one Trainer of the given experiment (deferring its
 reads, as a run does), --warmup steps, then --steps steps settled every --window (a log step)
-with the input pipeline timed on its own (TrainStream.next_step: gathering rows, dynamic
-masking, collation, on the training thread), then --profile steps under torch.profiler.
+with the input pipeline's time on the training thread timed on its own (TrainStream.next_step:
+gathering rows, dynamic masking, collation; with trainer.prefetch, the default on CUDA, only
+taking what a worker process read and applying the masking rate), then --profile steps under
+torch.profiler.
 
 Reported: the wall time of a step; the input pipeline's share; on a GPU the device's busy time
 a step (the sum of its kernels' own time in the profiled steps), so that wall >> busy says the

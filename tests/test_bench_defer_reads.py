@@ -34,10 +34,10 @@ def test_trainers_whose_losses_part_are_refused_on_a_cpu(tmp_path, monkeypatch):
     data = write_prepared(str(tmp_path / "prep"), num_train=48, num_valid=8)
     make = bench_defer_reads.make_trainer
 
-    def reseeded(args, run_dir, defer):
+    def reseeded(args, run_dir, defer, **kw):
         if defer:
             args = type(args)(**{**vars(args), "set": [*args.set, "seed=7"]})
-        return make(args, run_dir, defer)
+        return make(args, run_dir, defer, **kw)
 
     monkeypatch.setattr(bench_defer_reads, "make_trainer", reseeded)
     with pytest.raises(SystemExit, match=r"losses differ \(.*relative .*, allowed 0 on cpu\)"):

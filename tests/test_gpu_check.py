@@ -58,7 +58,7 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
     statuses = {name: r["status"] for name, r in records.items()}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
-                        "profile_train_step": "ok",
+                        "profile_train_step": "ok", "bench_prefetch": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
     # the compile bench comes last, after the suites
@@ -80,6 +80,10 @@ def test_every_stage_runs_and_the_summary_says_cpu(tmp_path):
     assert profile["device"] == "cpu" and 0 < profile["data_ms"] < profile["wall_ms"]
     assert "## A gpu_mini step (profile_train_step.py, 4 steps)" in summary
     assert "by the host's own time" in (out / "profile_train_step.txt").read_text()
+    # the A/B of reading batches ahead in a worker process, at the same shape
+    prefetch = json.loads((out / "prefetch.json").read_text())
+    assert prefetch["args"]["experiment"] == "gpu_mini" and prefetch["runs"][0]["inline_ms"] > 0
+    assert "## Prefetching (bench_prefetch.py, gpu_mini, windows of 2 steps" in summary
     # the control beside the model, the gap said
     assert "| pretrained | " in summary and "| random | " in summary
     assert "Pretrained minus random init: " in summary
@@ -110,7 +114,7 @@ def test_two_calls_into_one_folder_with_the_suite_beside(tmp_path):
                 for r in stage.get("runs", [stage])}
     assert statuses == {"pytest_cuda": "ok", "bench_0_bert_tiny_8_64": "ok", "bert_prep": "ok",
                         "bert_train": "ok", "bert_train_resume": "ok", "bench_defer_reads": "ok",
-                        "profile_train_step": "ok",
+                        "profile_train_step": "ok", "bench_prefetch": "ok",
                         "finetune_pretrained_1e-4": "ok", "finetune_random_1e-4": "ok",
                         "finetune_pretrained_1e-4_n1000": "ok", "finetune_random_1e-4_n1000": "ok",
                         "pytest_default": "ok", "bench_1_bert_tiny_4_128": "ok"}, statuses
