@@ -332,6 +332,8 @@ class Trainer:
                 from .components.runlog import already_finished_line
 
                 self.log.info(already_finished_line(self))
+            else:
+                self.stream.start_prefetching()  # (its start-up overlaps the first step's)
             while not self._finished():
                 result = self.train_step()
                 self.log_step(result)

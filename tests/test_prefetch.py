@@ -406,3 +406,26 @@ def test_a_worker_that_dies_is_one_line_that_says_how_to_go_on(prepared):
                 ahead.next_step(0.2)
     finally:
         ahead.close()
+
+
+def test_started_before_the_first_step_the_worker_reads_from_the_next(prepared):
+    """The trainer starts the worker as training begins (its start-up overlaps the first
+    step): the step at the position is prepared then and kept, the worker reads from the one
+    after, and a position moved since is read from where it is."""
+    plain = _stream(prepared, False, **SCHEDULE)
+    ahead = _stream(prepared, True, **SCHEDULE)
+    here = _count_prepares(ahead)
+    try:
+        ahead.start_prefetching()
+        assert here == [0] and ahead._ahead.next_at == 4
+        for p in (0.0, 0.3, 0.6):
+            _same(plain.next_step(p), ahead.next_step(p))
+        assert here == [0]
+        moved = _stream(prepared, True, **SCHEDULE)
+        moved.start_prefetching()
+        moved.position.samples_consumed = 12  # (a resume after the start: not the held step)
+        plain.position.samples_consumed = 12
+        _same(plain.next_step(0.5), moved.next_step(0.5))
+        moved.close()
+    finally:
+        ahead.close()

@@ -570,7 +570,7 @@ class TrainStream:
         self._perm_epoch, self._perm = -1, None
         self.prefetch = prefetch
         self.data_root = data.root
-        self._ahead = None
+        self._ahead, self._held = None, None
 
     @property
     def epoch(self) -> float:
@@ -644,20 +644,37 @@ class TrainStream:
         (prefetch.py) while this one trains; only the rate is applied here. The batches are the
         same either way, bit for bit."""
         start = self.position.samples_consumed
-        following = start + self.ramp.size_at(start)
-        prepared = self._ahead.take(start) if self._ahead is not None else None
+        held, self._held = self._held, None
+        prepared = held[1] if held is not None and held[0] == start else None
+        if prepared is None and self._ahead is not None:
+            prepared = self._ahead.take(start)
         if prepared is None:  # the first step, or the position moved (a resume)
             prepared = self._prepare(start)
             if self.prefetch:
-                from .prefetch import Prefetcher, slot_bytes
-
-                self.close()
-                rows = self.ramp.size_at(start) // self.world_size
-                self._ahead = Prefetcher(self._params(), following, self.ramp.size_at,
-                                         slot_bytes(prepared, rows,
-                                                    self.ramp.final // self.world_size))
-        self.position.samples_consumed = following
+                self._start_worker(start, prepared)
+        self.position.samples_consumed = start + self.ramp.size_at(start)
         return self._finish(prepared, self.masking_rate(progress))
+
+    def start_prefetching(self) -> None:
+        """With `prefetch`, start the worker now, before the first step needs it: its start-up
+        (a fresh interpreter importing torch, seconds) then overlaps the trainer's last set-up
+        and first step. The step at the position is prepared here and kept for next_step."""
+        if self.prefetch and self._ahead is None:
+            start = self.position.samples_consumed
+            prepared = self._prepare(start)
+            self._start_worker(start, prepared)
+            self._held = (start, prepared)
+
+    def _start_worker(self, start: int, prepared: list) -> None:
+        """A worker reading from the step after `start` (whose `prepared` batches size its
+        shared memory)."""
+        from .prefetch import Prefetcher, slot_bytes
+
+        self.close()
+        rows = self.ramp.size_at(start) // self.world_size
+        self._ahead = Prefetcher(self._params(), start + self.ramp.size_at(start),
+                                 self.ramp.size_at,
+                                 slot_bytes(prepared, rows, self.ramp.final // self.world_size))
 
     def _params(self) -> dict:
         """What a worker needs to make this stream again (prefetch.py): small and picklable."""
@@ -668,7 +685,7 @@ class TrainStream:
 
     def close(self) -> None:
         """Stop the prefetching worker, if one runs."""
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead, self._held = self._ahead, None, None
         if ahead is not None:
             ahead.close()
 
