@@ -4,7 +4,7 @@ thread does not stop between steps to read rows from the shards and draw masks.
 Why a process: the training thread of a GPU run is busy in Python launching kernels, and a
 thread beside it shares its interpreter lock. Beside a training thread of small torch calls on
 a CPU (bench/bench_prefetch.py --host-calls, docs/training.md), this worker takes the thread's
-share of a 256 x 128 batch from 3.9 ms a step to 0.9 ms; a thread in its place saved almost
+share of a 256 x 128 batch from 3.7 ms a step to 0.8 ms; a thread in its place saved almost
 nothing.
 
 How the arrays cross: torch's DataLoader runs the worker and carries its messages, but a tensor
