@@ -743,7 +743,7 @@ class Trainer:
         if self.stop is not None:
             self.stop.restore()
         if getattr(self, "stream", None) is not None:
-            self.stream.close()  # its prefetching thread
+            self.stream.close()  # (its prefetching worker)
         self.metrics.close()
         close_run_log()
         self.accelerator.end_training()
