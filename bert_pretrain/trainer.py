@@ -146,8 +146,10 @@ class Trainer:
     def _setup_data(self) -> None:
         from .components.run_setup import open_training_data
 
-        self.data, self.stream = open_training_data(self.s, self.world, self.rank,
-                                                    self.accelerator.device.type)
+        # (the log is opened later, in _setup_model; a lost worker is reported while training)
+        self.data, self.stream = open_training_data(
+            self.s, self.world, self.rank, self.accelerator.device.type,
+            warn=lambda m: self.log.warning(f"bert-train: warning: step {self.step + 1}: {m}"))
         self.micro, self.accumulation = self.stream.micro_batch_size, \
             self.stream.accumulation_steps
         eval_info = self.data.manifest["splits"].get(self.s.data.eval_split)

@@ -22,8 +22,9 @@ import dataclasses
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -552,7 +553,7 @@ class TrainStream:
 
     def __init__(self, data: PreparedData, cfg: DataConfig, seed: int, global_batch_size: int,
                  micro_batch_size: int, world_size: int, rank: int, samples_consumed: int = 0,
-                 prefetch: bool = False):
+                 prefetch: bool = False, warn: Optional[Callable[[str], None]] = None):
         self.ramp = batch_ramp(cfg.batch_warmup_start, cfg.batch_warmup_tokens,
                                cfg.batch_warmup_lr_scaling, global_batch_size,
                                data.max_seq_length)
@@ -569,6 +570,8 @@ class TrainStream:
         self.masker = Masker(data, seed, cfg.masked_lm_prob) if cfg.masking == "dynamic" else None
         self._perm_epoch, self._perm = -1, None
         self.prefetch = prefetch
+        self.warn = warn or (lambda message: warnings.warn(message, stacklevel=2))
+        """Where a lost prefetching worker is reported (the trainer: its log)."""
         self.data_root = data.root
         self._ahead, self._held = None, None
 
@@ -647,13 +650,29 @@ class TrainStream:
         held, self._held = self._held, None
         prepared = held[1] if held is not None and held[0] == start else None
         if prepared is None and self._ahead is not None:
-            prepared = self._ahead.take(start)
+            prepared = self._take_ahead(start)
         if prepared is None:  # the first step, or the position moved (a resume)
             prepared = self._prepare(start)
             if self.prefetch:
                 self._start_worker(start, prepared)
         self.position.samples_consumed = start + self.ramp.size_at(start)
         return self._finish(prepared, self.masking_rate(progress))
+
+    def _take_ahead(self, start: int):
+        """The worker's step at `start`, or None. A worker that died (the OOM killer, an
+        operator) is not restarted: the steps from here on are read on this thread, the same
+        batches, and the run goes on (a resumed run starts a new worker)."""
+        from .prefetch import WorkerLost
+
+        try:
+            return self._ahead.take(start)
+        except WorkerLost as exc:
+            self.close()
+            self.prefetch = False
+            self.warn(f"the process reading batches ahead stopped ({exc}); the training thread "
+                      f"reads them from here on (the same batches; a resumed run starts a new "
+                      f"worker)")
+            return None
 
     def start_prefetching(self) -> None:
         """With `prefetch`, start the worker now, before the first step needs it: its start-up

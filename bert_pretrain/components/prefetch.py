@@ -24,7 +24,10 @@ The worker is started with `spawn`: a fresh interpreter that inherits none of th
 open files (its run-folder lock, logs, process-group sockets), so a trainer killed with -9
 leaves nothing holding them (the worker sees its parent gone within seconds and exits). It
 ignores SIGINT and SIGTERM, which Ctrl-C or a preemption sends to the whole process group: the
-trainer handles those (it saves, then exits) and stops the worker itself.
+trainer handles those (it saves, then exits) and stops the worker itself. A worker that dies
+(the kernel's OOM killer, an operator) is noticed where its next step is taken, and the stream
+reads on the training thread from there (`WorkerLost`, TrainStream.next_step): the same
+batches, the run goes on.
 """
 
 from __future__ import annotations
@@ -35,13 +38,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..errors import ConfigError, DataError, TrainingError
+from ..errors import ConfigError, DataError
 
 PREFETCH_STEPS = 2
 """Steps the worker may have ready ahead of the one the trainer takes."""
 SLOTS = PREFETCH_STEPS + 2
 """The ring's slots: the step the trainer reads, the ones requested, and one spare."""
 ALIGN = 8  # (each array starts 8-byte aligned, for int64 views)
+
+
+class WorkerLost(Exception):
+    """The worker stopped before handing over the step asked for; the message is the
+    DataLoader's first line (which process, which signal)."""
 
 
 class _StepsFrom(torch.utils.data.IterableDataset):
@@ -73,6 +81,24 @@ class _StepsFrom(torch.utils.data.IterableDataset):
 def _worker_init(_worker_id: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def _unwatched(steps):
+    """A DataLoader iterator whose workers torch does not watch with its SIGCHLD handler.
+    That handler raises wherever the training thread is when a worker dies: inside a backward
+    pass, a traceback and the step lost. Unwatched, the death is noticed where the next step is
+    taken (the DataLoader checks its workers while it waits for one, every few seconds), and
+    the stream goes on without the worker. (Private members of torch's iterator, present since
+    torch 1.x; if they are gone, torch's watch stays and a death ends the run, as before.)"""
+    try:
+        from torch.utils.data._utils import signal_handling
+
+        if steps._worker_pids_set:
+            signal_handling._remove_worker_pids(id(steps))
+            steps._worker_pids_set = False
+    except (AttributeError, ImportError):
+        pass
+    return steps
 
 
 def _arrays(value, out: list):
@@ -167,13 +193,14 @@ class Prefetcher:
             _StepsFrom(params, start, self._ring), batch_size=None, num_workers=1,
             prefetch_factor=PREFETCH_STEPS, multiprocessing_context="spawn",
             worker_init_fn=_worker_init)
-        self._steps = iter(loader)
+        self._steps = _unwatched(iter(loader))
         self.next_at, self._size_at = start, size_at
 
     def take(self, start: int) -> Optional[list]:
         """The prepared step at `start` (views of its slot, valid until the next `take`), or
         None when the worker is reading other positions (the stream then prepares the step
-        itself and starts a worker from the next one)."""
+        itself and starts a worker from the next one). WorkerLost: the worker died (the steps
+        it had handed over come first)."""
         if start != self.next_at:
             return None
         try:
@@ -181,11 +208,7 @@ class Prefetcher:
         except RuntimeError as exc:
             if "DataLoader worker" not in str(exc):
                 raise
-            first = str(exc).strip().splitlines()[0]
-            raise TrainingError(f"the process reading batches ahead stopped ({first}); "
-                                f"resume=auto continues from the last checkpoint, and "
-                                f"trainer.prefetch=false reads them on the training "
-                                f"thread") from None
+            raise WorkerLost(str(exc).strip().splitlines()[0]) from None
         if at == "error":
             raise DataError(layout)
         if at != start:  # (the worker reads positions in the order the stream takes them)

@@ -73,8 +73,9 @@ def make_accelerator(tc):
     return acc, keeps
 
 
-def open_training_data(s, world: int, rank: int, device_type: str = "cpu"):
-    """(PreparedData, TrainStream) for settings `s` on this process (on `device_type`)."""
+def open_training_data(s, world: int, rank: int, device_type: str = "cpu", warn=None):
+    """(PreparedData, TrainStream) for settings `s` on this process (on `device_type`); `warn`
+    reports a lost prefetching worker (TrainStream)."""
     from .data import PreparedData, TrainStream
 
     tc = s.trainer
@@ -100,7 +101,7 @@ def open_training_data(s, world: int, rank: int, device_type: str = "cpu"):
     # (during a batch warmup the micro-batch must divide its smallest batch: its start)
     micro = tc.micro_batch_size or (s.data.batch_warmup_start or tc.global_batch_size) // world
     return data, TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank,
-                             prefetch=tc.prefetches(device_type))
+                             prefetch=tc.prefetches(device_type), warn=warn)
 
 
 def build_model(s, data):
