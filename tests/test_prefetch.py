@@ -433,6 +433,28 @@ def test_the_setting_takes_auto_true_or_false(value, resolved):
     assert tc.prefetches("cpu") == (resolved == "true")
 
 
+def test_a_daemonic_process_reads_on_the_training_thread():
+    """A trainer run by a multiprocessing pool's worker (a daemon, which Python does not let
+    start processes: DataLoader's worker would fail with an AssertionError): `auto` on a GPU
+    reads on the training thread there, and `true` is refused in one line. Asked in a real
+    pool's worker."""
+    import multiprocessing
+
+    from bert_pretrain.components.trainer_config import TrainerConfig
+    from bert_pretrain.errors import ConfigError
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(TrainerConfig(prefetch="auto").prefetches, ("cuda",)) is False
+        assert pool.apply(TrainerConfig(prefetch="false").prefetches, ("cuda",)) is False
+        with pytest.raises(ConfigError, match=r"^trainer.prefetch=true starts a worker process, "
+                                              r"and this process is a daemon \(a "
+                                              r"multiprocessing pool's worker\), which may not "
+                                              r"start processes; set trainer.prefetch=auto or "
+                                              r"false$"):
+            pool.apply(TrainerConfig(prefetch="true").prefetches, ("cuda",))
+    assert TrainerConfig(prefetch="auto").prefetches("cuda") is True  # (not a daemon here)
+
+
 def test_a_bad_setting_is_refused_in_one_line(tmp_path, prepared):
     from bert_pretrain.config import settings
     from bert_pretrain.errors import ConfigError

@@ -109,6 +109,8 @@ def start_lines(t) -> list:
                             locality=_locality(tc))
         read = "ahead by a worker process" if t.stream.prefetch else "on the training thread"
         auto = f" on {device}" if tc.prefetch == "auto" else ""
+        if auto and device == "cuda" and not t.stream.prefetch:
+            auto += ", in a daemonic process"  # (trainer_config.in_daemonic_process)
         lines.append(f"bert-train: speed switches on {device}: {switches}; batches read {read} "
                      f"(trainer.prefetch={tc.prefetch}{auto})")
     if not cfg.next_sentence_prediction:

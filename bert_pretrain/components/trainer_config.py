@@ -7,6 +7,14 @@ from typing import Optional
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")
 
 
+def in_daemonic_process() -> bool:
+    """Whether this process is a daemon (a multiprocessing pool's worker): it may not start
+    processes of its own."""
+    import multiprocessing
+
+    return bool(multiprocessing.current_process().daemon)
+
+
 @dataclass
 class TrainerConfig:
     """`conf/train/trainer/`: how long and in what batches to train, when to evaluate, save."""
@@ -153,8 +161,20 @@ class TrainerConfig:
                              f"trainer.max_steps ({self.max_steps})")
 
     def prefetches(self, device_type: str) -> bool:
-        """Whether batches are read ahead by a worker process on this device (`prefetch`)."""
-        return self.prefetch == "true" or (self.prefetch == "auto" and device_type == "cuda")
+        """Whether batches are read ahead by a worker process on this device (`prefetch`). Not
+        in a daemonic process (a multiprocessing pool's worker running the trainer), which
+        Python does not let start processes: `auto` reads on the training thread there."""
+        if self.prefetch == "false" or (self.prefetch == "auto" and device_type != "cuda"):
+            return False
+        if in_daemonic_process():
+            if self.prefetch == "true":
+                from ..errors import ConfigError
+
+                raise ConfigError("trainer.prefetch=true starts a worker process, and this "
+                                  "process is a daemon (a multiprocessing pool's worker), which "
+                                  "may not start processes; set trainer.prefetch=auto or false")
+            return False
+        return True
 
     def progress(self, step: int, elapsed: float) -> float:
         """The share of training done before `step`: step / max_steps, or with a time budget
