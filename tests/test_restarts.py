@@ -224,3 +224,45 @@ def test_sigterm_to_one_rank_saves_once_on_every_rank_and_exits_0(data, uninterr
     r = launch(torchrun(restarts=0), run_dir, data)
     assert r.returncode == 0, r.stderr[-4000:]
     assert_bit_equal(weights(uninterrupted), weights(run_dir))
+
+
+def _saved_by_both_at_step_3(r: subprocess.CompletedProcess, run_dir: Path) -> None:
+    """Both ranks stopped at step 3 and saved it (each its RNG state), nothing restarted."""
+    assert failures(r) == [], r.stderr[-3000:]
+    assert r.stdout.count("stop requested: saving at step 3") == 1, r.stdout
+    assert steps_saved(run_dir) == [2, 3]
+    ckpt = run_dir / "checkpoints" / "step-00000003"
+    assert sorted(p.name for p in ckpt.glob("rng_state_rank*.pt")) == [
+        "rng_state_rank0.pt", "rng_state_rank1.pt"]
+
+
+def test_sigterm_to_the_launcher_saves_once_on_every_rank(data, uninterrupted, tmp_path):
+    """A preempted job whose scheduler signals the launcher (torchrun's agent): rank 0 sends its
+    parent SIGTERM after step 2 (BERT_TRAIN_FAULT ...:LAUNCHER, which waits until the agent has
+    passed it on); both ranks save step 3 and exit, and resume=auto ends where the run that
+    was never stopped ends. With the batches read ahead by a worker process per rank (the
+    default on GPUs): the workers ignore the SIGTERM, and their ranks stop them."""
+    run_dir = tmp_path / "run"
+    r = launch(torchrun(), run_dir, data, "0:logged:2:LAUNCHER", "trainer.prefetch=true")
+    assert r.returncode != 0  # (torchrun's own: it re-raises the signal as an exception)
+    assert "Received 15 death signal" in r.stderr, r.stderr[-3000:]
+    _saved_by_both_at_step_3(r, run_dir)
+    r = launch(torchrun(restarts=0), run_dir, data, None, "trainer.prefetch=true")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert_bit_equal(weights(uninterrupted), weights(run_dir))
+
+
+def test_bert_launch_stopped_by_sigterm_says_so_in_one_line(data, tmp_path):
+    """The same under bert-launch: its exit is one line and 128 + SIGTERM's 15, not torch
+    elastic's traceback of the agent."""
+    run_dir = tmp_path / "run"
+    launcher = [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
+                str(REPO / "conf" / "accelerate" / "cpu_2proc.yaml"), "--max_restarts", "2",
+                "--rdzv_backend", "c10d", "--main_process_port", str(free_port())]
+    r = launch(launcher, run_dir, data, "0:logged:2:LAUNCHER")
+    assert r.returncode == 143, r.stderr[-4000:]
+    _saved_by_both_at_step_3(r, run_dir)
+    assert "Traceback" not in r.stderr and "SignalException" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        "bert-launch: stopped by SIGTERM: every process was asked to save at the end of its "
+        "step and exit; continue with the same command and resume=auto")

@@ -1,7 +1,8 @@
 """Named points in a training run where a test makes one process die, chosen by the step and
-phase rather than by timing: `BERT_TRAIN_FAULT=<rank>:<phase>:<step>[:TERM]` in the environment
-makes process `rank` send itself SIGKILL (or SIGTERM, a preemption) when it reaches `phase` at
-`step`.  The restart tests (tests/test_restarts.py) use it to kill a rank mid-step, during a
+phase rather than by timing: `BERT_TRAIN_FAULT=<rank>:<phase>:<step>[:TERM|:LAUNCHER]` in the
+environment makes process `rank` send itself SIGKILL (or SIGTERM, a preemption of that process;
+or SIGTERM to its parent, the launcher's agent, a preemption of the job) when it reaches `phase`
+at `step`.  The restart tests (tests/test_restarts.py) use it to kill a rank mid-step, during a
 save, right after one, ..., and check that the launcher's restart ends where the run that never
 stopped ends.  It fires only in the launcher's first attempt (TORCHELASTIC_RESTART_COUNT 0 or
 unset), so the restarted group runs through.  Unset, `reached` is one dictionary lookup.
@@ -26,8 +27,28 @@ def reached(phase: str, step: int, rank: int) -> None:
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[1] not in PHASES:
-        raise ValueError(f"{ENV}={spec!r}: expected <rank>:<phase>:<step>[:TERM], phase one "
-                         f"of {', '.join(PHASES)}")
-    if (int(parts[0]), parts[1], int(parts[2])) == (rank, phase, step):
+    if len(parts) not in (3, 4) or parts[1] not in PHASES or parts[3:] not in ([], ["TERM"],
+                                                                              ["LAUNCHER"]):
+        raise ValueError(f"{ENV}={spec!r}: expected <rank>:<phase>:<step>[:TERM|:LAUNCHER], "
+                         f"phase one of {', '.join(PHASES)}")
+    if (int(parts[0]), parts[1], int(parts[2])) != (rank, phase, step):
+        return
+    if parts[3:] == ["LAUNCHER"]:
+        _preempt_launcher()
+    else:
         os.kill(os.getpid(), signal.SIGTERM if parts[3:] == ["TERM"] else signal.SIGKILL)
+
+
+def _preempt_launcher(wait_s: float = 60.0) -> None:
+    """SIGTERM to the launcher's agent (this process's parent), then wait here until the agent
+    has passed it on to this process (its stop request is set: the trainer's SIGTERM handler
+    is a StopRequest's), so the run cannot end before the preemption reaches it."""
+    import time
+
+    os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if getattr(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), "requested",
+                   False):
+            return
+        time.sleep(0.01)

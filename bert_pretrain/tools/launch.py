@@ -9,7 +9,9 @@ launcher itself and a ChildFailedError table, and exits 1 whatever the cause.  H
 (exit status 2: bert-train has printed its one `error:` line) ends the launch with that line
 alone and exit status 2; any other failure (a crash, a signal, out of memory) ends in one line
 naming the failed rank, its exit code and its message, with the launcher's exit status 1 (or
-the process's own status).  The workers' output itself is untouched.  Before starting, it
+the process's own status). A launcher stopped by SIGTERM or Ctrl-C (a preemption) passes it on
+to every process, which saves and exits, and ends in one line instead of torch elastic's
+traceback, with exit status 128 + the signal's number.  The workers' output itself is untouched.  Before starting, it
 refuses in one line what bert-train cannot run (launch_checks.py: DeepSpeed; GPU processes on
 a machine without a GPU, unless trainer.cpu=true asks for CPU processes), and machines that
 never meet end in one line when the rendezvous times out.
@@ -81,6 +83,18 @@ def _report(exc) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
+def _stopped(sig) -> int:
+    """One line for a launcher stopped by a signal (a scheduler preempting the job, Ctrl-C):
+    torch elastic's agent has passed it on to every process and waited for them (30 s, then
+    SIGKILL); bert-train saves at the end of its step. Returns the exit status, 128 + the
+    signal's number, as a shell reports a process a signal ended."""
+    name = getattr(sig, "name", f"signal {int(sig)}")
+    print(f"bert-launch: stopped by {name}: every process was asked to save at the end of its "
+          f"step and exit; continue with the same command and resume=auto", file=sys.stderr,
+          flush=True)
+    return 128 + int(sig)
+
+
 HELP = """\
 bert-launch: run bert-train on several processes (GPUs, machines, or CPU processes).
 
@@ -89,8 +103,11 @@ Usage: bert-launch [accelerate launch options] -m bert_pretrain.train [bert-trai
 bert-launch is `accelerate launch` with the same options, and a short report when a process
 fails: a bert-train user error ends the launch with its one `bert-train: error:` line and exit
 status 2; a crash, a signal or running out of memory, with one line naming the failed rank
-(exit status 1 or the process's own).  Plain `accelerate launch` ends both in ~35 lines of
-torch elastic's report, with exit status 1.  What the processes print is left as it is.
+(exit status 1 or the process's own); SIGTERM or Ctrl-C to bert-launch (a preemption) is
+passed on to every process, which saves at the end of its step, and ends with one line (exit
+status 128 + the signal's number).
+Plain `accelerate launch` ends these in ~35 lines of torch elastic's report, with exit status 1.
+What the processes print is left as it is.
 It refuses in one line (exit status 2) a DeepSpeed config, a GPU launch on a machine without a
 GPU (CPU processes on purpose: add trainer.cpu=true), and machines that do not meet within the
 rendezvous timeout (--rdzv_conf timeout=SECONDS; join_timeout=SECONDS with --rdzv_backend c10d).
@@ -150,6 +167,7 @@ def _quiet_cpp_logs_here() -> None:
 def main(argv=None) -> None:
     _quiet_cpp_logs_here()
     from accelerate.commands.launch import launch_command
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from .launch_checks import refusal, rendezvous_failure
@@ -162,6 +180,8 @@ def main(argv=None) -> None:
     logging.getLogger(ELASTIC_API).addFilter(_ShutdownNoise())
     try:
         launch_command(args)
+    except SignalException as exc:
+        sys.exit(_stopped(exc.sigval))
     except ChildFailedError as exc:
         sys.exit(_report(exc))
     except subprocess.CalledProcessError as exc:  # single-process launches
