@@ -71,6 +71,13 @@ def torchrun(restarts: int = 2) -> list[str]:
             f"127.0.0.1:{free_port()}"]
 
 
+def bert_launch() -> list[str]:
+    """bert-launch (accelerate launch) of 2 CPU processes, accelerate's restart flags."""
+    return [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
+            str(REPO / "conf" / "accelerate" / "cpu_2proc.yaml"), "--max_restarts", "2",
+            "--rdzv_backend", "c10d", "--main_process_port", str(free_port())]
+
+
 def failures(r: subprocess.CompletedProcess) -> list[str]:
     """The exit codes of the failed attempts, as torch elastic's agent logs them."""
     return re.findall(r"failed \(exitcode: (-?\d+)\)", r.stderr)
@@ -198,10 +205,7 @@ def test_sigkilled_rank_of_a_sharded_run_restarts_and_ends_bit_equal(data, unint
 def test_bert_launch_restarts_with_accelerates_flags(data, uninterrupted, tmp_path):
     """The same under `bert-launch` (accelerate launch): --max_restarts and --rdzv_backend c10d."""
     run_dir = tmp_path / "run"
-    launcher = [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
-                str(REPO / "conf" / "accelerate" / "cpu_2proc.yaml"), "--max_restarts", "2",
-                "--rdzv_backend", "c10d", "--main_process_port", str(free_port())]
-    r = launch(launcher, run_dir, data, "1:step:5")
+    r = launch(bert_launch(), run_dir, data, "1:step:5")
     assert r.returncode == 0, r.stderr[-4000:]
     assert failures(r) == ["-9"] and r.stdout.count("resumed from") == 1, r.stderr[-3000:]
     assert_bit_equal(weights(uninterrupted), weights(run_dir))
@@ -256,10 +260,7 @@ def test_bert_launch_stopped_by_sigterm_says_so_in_one_line(data, tmp_path):
     """The same under bert-launch: its exit is one line and 128 + SIGTERM's 15, not torch
     elastic's traceback of the agent."""
     run_dir = tmp_path / "run"
-    launcher = [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
-                str(REPO / "conf" / "accelerate" / "cpu_2proc.yaml"), "--max_restarts", "2",
-                "--rdzv_backend", "c10d", "--main_process_port", str(free_port())]
-    r = launch(launcher, run_dir, data, "0:logged:2:LAUNCHER")
+    r = launch(bert_launch(), run_dir, data, "0:logged:2:LAUNCHER")
     assert r.returncode == 143, r.stderr[-4000:]
     _saved_by_both_at_step_3(r, run_dir)
     assert "Traceback" not in r.stderr and "SignalException" not in r.stderr, r.stderr
