@@ -154,6 +154,7 @@ def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[b
     (continued pretraining on MLM-only data), whose state dict leaves out a pooler and NSP head
     the directory may have."""
     from ..model import BertConfig, BertForPreTraining
+    from ..model.encoder import UNUSED_POSITION_KEY
 
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory")
@@ -169,7 +170,12 @@ def read_hf_model(path: str, seed: int = 0, next_sentence_prediction: Optional[b
     tensors = _normalise_keys(tensors)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        reference = BertForPreTraining(BertConfig.from_dict(config)).state_dict()
+        model_config = BertConfig.from_dict(config)
+        reference = BertForPreTraining(model_config).state_dict()
+    if model_config.position_embedding_type != "absolute":
+        # transformers 4.x holds an absolute table for relative positions too and never reads
+        # it (our export writes it as zeros): expected, not an unknown tensor to warn about
+        tensors.pop("bert.embeddings." + UNUSED_POSITION_KEY, None)
     # Tied: transformers saves neither (decoder.weight is the word embeddings, decoder.bias is
     # cls.predictions.bias).
     word = tensors.get("bert.embeddings.word_embeddings.weight")
