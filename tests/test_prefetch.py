@@ -93,6 +93,20 @@ def test_prefetched_batches_are_the_unprefetched_ones(prepared, world):
             s.close()
 
 
+def test_static_masks_prefetched(prepared):
+    """The masks bert-prep stored (data.masking=static): the worker reads them with the rows."""
+    plain = _stream(prepared, False, masking="static")
+    ahead = _stream(prepared, True, masking="static")
+    assert ahead.masker is None
+    here = _count_prepares(ahead)
+    try:
+        for p in np.linspace(0, 1, 10):  # (past an epoch's end: 50 rows, 12 a step)
+            _same(plain.next_step(float(p)), ahead.next_step(float(p)))
+        assert here == [0]
+    finally:
+        ahead.close()
+
+
 def test_whole_word_masking_prefetched(whole_words):
     plain = _stream(whole_words, False, masking="dynamic", masked_lm_prob_start=0.5)
     ahead = _stream(whole_words, True, masking="dynamic", masked_lm_prob_start=0.5)
