@@ -29,6 +29,18 @@ def fail(prog: str, message: str) -> None:
     sys.exit(2)
 
 
+def interrupted(prog: str, advice: str) -> None:
+    """A command stopped by Ctrl-C (a KeyboardInterrupt: bert-train and bert-finetune save on
+    the first Ctrl-C during training and stop at once on a second): one line saying how to go
+    on, exit 130 (128 + SIGINT, what a shell reports for a Ctrl-C'd command), not Python's
+    traceback of wherever the interrupt landed. Under a launcher only the main process says it.
+    (A progress bar may have been cut mid-line: on a terminal the line starts a new one.)"""
+    if os.environ.get("RANK", "0") == "0":
+        lead = "\n" if sys.stderr.isatty() else ""
+        print(f"{lead}{prog}: interrupted; {advice}", file=sys.stderr, flush=True)
+    sys.exit(130)
+
+
 def suggest_from(schema):
     """'did you mean ...' for a misspelt key, from `schema`'s field names."""
     def suggest(exc: Exception) -> str:

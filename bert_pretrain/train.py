@@ -102,6 +102,16 @@ def _run(cfg: DictConfig) -> float:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # before training, or a second Ctrl-C (the first one saves)
+        from .cli_errors import interrupted
+
+        interrupted("bert-train", "resume=auto continues from the last complete checkpoint (one "
+                                  "Ctrl-C during training saves the step first)")
+
+
+def _main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # hparams_search configs set hydra.mode=MULTIRUN: their sweep syntax is not an error
     # Under a launcher every rank checks the same command line: only the main one says so,

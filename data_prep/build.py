@@ -15,6 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from bert_pretrain.cli_errors import interrupted as _interrupted
 from bert_pretrain.cli_errors import precheck
 from data_prep.config import PREP_SCHEMAS, PrepConfig
 from data_prep.errors import PrepError
@@ -27,12 +28,8 @@ def fail(message: str) -> None:
 
 def interrupted() -> None:
     # Every step leaves a complete result or nothing (see pipeline.py), so stopping anywhere is
-    # safe; 130 = 128 + SIGINT, what a shell reports for a Ctrl-C'd command.
-    # (A progress bar may have been cut mid-line: start a new one on a terminal.)
-    lead = "\n" if sys.stderr.isatty() else ""
-    print(f"{lead}bert-prep: interrupted; re-run the same command to resume", file=sys.stderr,
-          flush=True)
-    sys.exit(130)
+    # safe.
+    _interrupted("bert-prep", "re-run the same command to resume")
 
 
 # "../conf/prep" (bert-prep's own config root, so --help lists only its groups) relative to this

@@ -332,3 +332,55 @@ def test_pre_ln_relative_position_encoder_fine_tunes(tasks, tmp_path, one_thread
     assert not (model_dir / "config.json").exists()
     model = load_classifier(str(model_dir))
     assert model.config.pre_layer_norm and model.config.position_embedding_type == "relative_key"
+
+
+# bert-finetune (or bert-glue: sys.argv[1]) pressed Ctrl-C twice in its third step: the first
+# asks it to save at the end of the step, the second stops it at once.
+CTRL_C_TWICE = """
+import os, signal, sys
+from bert_pretrain.finetune.runner import FineTune
+
+real = FineTune.train_step
+
+def train_step(self):
+    if self.step == 2:
+        os.kill(os.getpid(), signal.SIGINT)  # (its handler runs here, before the next line)
+        os.kill(os.getpid(), signal.SIGINT)
+    return real(self)
+
+FineTune.train_step = train_step
+prog, sys.argv = sys.argv[1], sys.argv[1:]
+if prog == "bert-glue":
+    from bert_pretrain.finetune.glue import main
+else:
+    from bert_pretrain.finetune.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("prog", ["bert-finetune", "bert-glue"])
+def test_a_second_ctrl_c_stops_at_once_in_one_line(run, tasks, tmp_path, prog):
+    """Not Python's traceback of wherever the interrupt landed: one line saying how to go on,
+    exit 130 as a shell reports a Ctrl-C'd command; the same command then finishes."""
+    from finetune_support import write_glue_task
+
+    if prog == "bert-glue":
+        write_glue_task(str(tmp_path / "glue_data"), "sst2")
+        args = [f"models=[{run}]", "tasks=[sst2]", f"data_dir={tmp_path / 'glue_data'}"]
+    else:
+        args = [*tasks["sentence"], f"model={run}"]
+    args += [*FAST, f"out_dir={tmp_path / 'out'}", "trainer.checkpoint_every=2"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": CHILD_PYTHONPATH}
+    r = subprocess.run([sys.executable, "-c", CTRL_C_TWICE, prog, *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1] == (
+        f"{prog}: interrupted; run the same command again to continue from the last "
+        f"checkpoint (one Ctrl-C during training saves the step first)")
+    again = subprocess.run([sys.executable, "-m", "bert_pretrain.finetune" if
+                            prog == "bert-finetune" else "bert_pretrain.finetune.glue", *args],
+                           cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=hang_limit())
+    assert again.returncode == 0, again.stderr[-3000:]

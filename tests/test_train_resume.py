@@ -111,3 +111,48 @@ def test_sigterm_saves_and_resume_equals_uninterrupted(tmp_path, prepared):
     assert sorted(b) == list(range(1, k + 7))  # records after the checkpoint were replaced
     for step in range(1, k + 7):
         assert a[step] == b[step], f"step {step}"
+
+
+# bert-train pressed Ctrl-C twice at step 3 (after its first micro-batch's backward): the first
+# asks it to save at the end of the step, the second stops it at once.
+CTRL_C_TWICE = """
+import os, signal, sys
+from bert_pretrain.components import fault_point
+
+def reached(phase, step, rank):
+    if (phase, step) == ("step", 3):
+        os.kill(os.getpid(), signal.SIGINT)  # (its handler runs here, before the next line)
+        os.kill(os.getpid(), signal.SIGINT)
+
+fault_point.reached = reached
+sys.argv = ["bert-train", *sys.argv[1:]]
+from bert_pretrain.train import main
+main()
+"""
+
+
+def test_a_second_ctrl_c_stops_at_once_in_one_line_and_resume_continues(tmp_path, prepared):
+    """Not Python's traceback of wherever the interrupt landed (inside the backward pass):
+    one line saying how to go on, exit 130 as a shell reports a Ctrl-C'd command; the run
+    folder is left as a kill leaves it, and resume=auto ends where an uninterrupted run ends."""
+    common = ["experiment=smoke", f"data.dir={prepared}", "trainer.max_steps=6",
+              "trainer.checkpoint_every=2", "trainer.eval_every=0", "trainer.log_every=1",
+              "trainer.progress_bar=false", "trainer.report=false"]
+    run = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", CTRL_C_TWICE, *common, f"run_dir={run}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_limit())
+    assert p.returncode == 130, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "KeyboardInterrupt" not in p.stderr, p.stderr
+    assert p.stderr.splitlines()[-1] == (
+        "bert-train: interrupted; resume=auto continues from the last complete checkpoint (one "
+        "Ctrl-C during training saves the step first)")
+    assert sorted(n for n in os.listdir(run / "checkpoints") if n.startswith("step-")) == \
+        ["step-00000002"]
+    for args in ([f"run_dir={run}", "resume=auto"], [f"run_dir={tmp_path / 'ref'}"]):
+        # (as the interrupted run: one thread; another count moves the last bits of the sums)
+        again = subprocess.run([sys.executable, "-m", "bert_pretrain.train", *common, *args],
+                               cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=hang_limit())
+        assert again.returncode == 0, again.stderr[-3000:]
+    assert _losses(str(tmp_path / "ref")) == _losses(str(run))

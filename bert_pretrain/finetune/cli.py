@@ -21,7 +21,7 @@ prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ..cli_errors import precheck, suggest_from  # noqa: E402
+from ..cli_errors import interrupted, precheck, suggest_from  # noqa: E402
 from ..errors import UserError  # noqa: E402
 from .config import register  # noqa: E402
 
@@ -113,11 +113,24 @@ def check_command_line(prog: str, config_name: str, schema) -> None:
             sys.stderr.flush()
 
 
+def interruptible(prog: str, work) -> None:
+    """work(), a Ctrl-C that stops it at once (before training, or a second one: the first
+    saves) ending in one line."""
+    try:
+        work()
+    except KeyboardInterrupt:
+        interrupted(prog, "run the same command again to continue from the last checkpoint "
+                          "(one Ctrl-C during training saves the step first)")
+
+
 def main() -> None:
     from .config import FinetuneConfig
 
-    check_command_line("bert-finetune", "finetune", FinetuneConfig)
-    _run()
+    def work():
+        check_command_line("bert-finetune", "finetune", FinetuneConfig)
+        _run()
+
+    interruptible("bert-finetune", work)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import time
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from .cli import CONF_DIR, check_command_line, guarded  # (also: OpenMP policy, schemas)
+# (also: OpenMP policy, schemas)
+from .cli import CONF_DIR, check_command_line, guarded, interruptible
 
 
 def _slug(label: str) -> str:
@@ -97,8 +98,11 @@ def _run(cfg: DictConfig) -> float:
 def main() -> None:
     from .config import GlueConfig
 
-    check_command_line("bert-glue", "glue", GlueConfig)
-    _run()
+    def work():
+        check_command_line("bert-glue", "glue", GlueConfig)
+        _run()
+
+    interruptible("bert-glue", work)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ alone and exit status 2; any other failure (a crash, a signal, out of memory) en
 naming the failed rank, its exit code and its message, with the launcher's exit status 1 (or
 the process's own status). A launcher stopped by SIGTERM or Ctrl-C (a preemption) passes it on
 to every process, which saves and exits, and ends in one line instead of torch elastic's
-traceback, with exit status 128 + the signal's number.  The workers' output itself is untouched.  Before starting, it
-refuses in one line what bert-train cannot run (launch_checks.py: DeepSpeed; GPU processes on
-a machine without a GPU, unless trainer.cpu=true asks for CPU processes), and machines that
-never meet end in one line when the rendezvous times out.
+traceback, with exit status 128 + the signal's number.  The workers' output itself is
+untouched.  Before starting, it refuses in one line what bert-train cannot run
+(launch_checks.py: DeepSpeed; GPU processes on a machine without a GPU, unless trainer.cpu=true
+asks for CPU processes), and machines that never meet end in one line when the rendezvous
+times out.
 """
 import logging
 import os
