@@ -457,15 +457,19 @@ def test_a_daemonic_process_reads_on_the_training_thread():
     from bert_pretrain.components.trainer_config import TrainerConfig
     from bert_pretrain.errors import ConfigError
 
+    def ask(prefetch):  # (in the pool's worker, within the hang limit)
+        return pool.apply_async(TrainerConfig(prefetch=prefetch).prefetches, ("cuda",)).get(
+            timeout=hang_limit())
+
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(TrainerConfig(prefetch="auto").prefetches, ("cuda",)) is False
-        assert pool.apply(TrainerConfig(prefetch="false").prefetches, ("cuda",)) is False
+        assert ask("auto") is False
+        assert ask("false") is False
         with pytest.raises(ConfigError, match=r"^trainer.prefetch=true starts a worker process, "
                                               r"and this process is a daemon \(a "
                                               r"multiprocessing pool's worker\), which may not "
                                               r"start processes; set trainer.prefetch=auto or "
                                               r"false$"):
-            pool.apply(TrainerConfig(prefetch="true").prefetches, ("cuda",))
+            ask("true")
     assert TrainerConfig(prefetch="auto").prefetches("cuda") is True  # (not a daemon here)
 
 
