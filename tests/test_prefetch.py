@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from bert_pretrain.components import prefetch
 from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
 from bert_pretrain.errors import DataError
 from time_limits import hang_deadline, hang_limit
@@ -485,9 +487,29 @@ def test_a_bad_setting_is_refused_in_one_line(tmp_path, prepared):
         settings(cfg)
 
 
-def test_a_worker_that_dies_is_replaced_by_the_training_thread(prepared):
-    """The worker killed: the steps it handed over are used, then the stream reads on this
-    thread (the same batches), reports it once and starts no other worker."""
+def _hang_the_worker() -> int:
+    """SIGSTOP this process's one worker once it is idle (it has read its steps ahead and
+    waits for the next request): a hung worker, alive and handing over nothing."""
+    worker = _the_worker()
+    time.sleep(1.0)
+    os.kill(worker, signal.SIGSTOP)
+    return worker
+
+
+def _the_worker() -> int:
+    workers = [p for p in _children() if "resource_tracker" not in _children()[p]]
+    assert len(workers) == 1
+    return workers[0]
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_worker_lost_is_replaced_by_the_training_thread(prepared, fault, monkeypatch):
+    """The worker killed (the OOM killer), or hung (handing over nothing for
+    prefetch.HUNG_S: a deadlock, a stuck filesystem; then killed, as it ignores SIGTERM): the
+    steps it handed over are used, then the stream reads on this thread (the same batches),
+    reports it once and starts no other worker."""
+    monkeypatch.setattr(prefetch, "HUNG_S", 1.0)
+    monkeypatch.setattr(prefetch, "POLL_S", 0.25)
     plain = _stream(prepared, False, **SCHEDULE)
     ahead = _stream(prepared, True, **SCHEDULE)
     said = []
@@ -495,19 +517,45 @@ def test_a_worker_that_dies_is_replaced_by_the_training_thread(prepared):
     try:
         for p in (0.0, 0.1):
             _same(plain.next_step(p), ahead.next_step(p))
-        workers = [p for p in _children() if "resource_tracker" not in _children()[p]]
-        assert len(workers) == 1
-        os.kill(workers[0], signal.SIGKILL)
+        if fault == "killed":
+            worker = _the_worker()
+            os.kill(worker, signal.SIGKILL)
+            why = f"DataLoader worker (pid(s) {worker}) exited unexpectedly"
+        else:
+            worker = _hang_the_worker()
+            why = "it handed over no step in 1 s and was killed"
+        # (without a limit on a hang the stream would wait forever: at the test's hang limit
+        # this kills the worker, and the message names a death instead)
+        guard = threading.Timer(hang_limit() or 60, os.kill, (worker, signal.SIGKILL))
+        guard.start()
         for k in range(12):  # (past an epoch's end: 50 rows, 12 a step)
             _same(plain.next_step(0.2 + k / 20), ahead.next_step(0.2 + k / 20))
-        assert said == [f"the process reading batches ahead stopped (DataLoader worker "
-                        f"(pid(s) {workers[0]}) exited unexpectedly); the training thread "
-                        f"reads them from here on (the same batches; a resumed run starts a "
-                        f"new worker)"]
+        guard.cancel()
+        assert said == [f"the process reading batches ahead stopped ({why}); the training "
+                        f"thread reads them from here on (the same batches; a resumed run "
+                        f"starts a new worker)"]
         assert ahead._ahead is None and not ahead.prefetch
         assert [p for p in _children() if "resource_tracker" not in _children()[p]] == []
     finally:
         ahead.close()
+
+
+def test_close_kills_a_worker_that_hangs(prepared, monkeypatch):
+    """torch stops a worker that does not exit with SIGTERM, which ours ignores; left alive,
+    it would keep Python's exit waiting for it forever."""
+    monkeypatch.setattr(prefetch, "POLL_S", 0.25)
+    ahead = _stream(prepared, True, **SCHEDULE)
+    worker = None
+    try:
+        for p in (0.0, 0.1):
+            ahead.next_step(p)
+        worker = _hang_the_worker()
+        ahead.close()
+        assert worker not in _children()
+    finally:
+        ahead.close()
+        if worker is not None and worker in _children():
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_started_before_the_first_step_the_worker_reads_from_the_next(prepared):

@@ -27,12 +27,15 @@ ignores SIGINT and SIGTERM, which Ctrl-C or a preemption sends to the whole proc
 trainer handles those (it saves, then exits) and stops the worker itself. A worker that dies
 (the kernel's OOM killer, an operator) is noticed where its next step is taken, and the stream
 reads on the training thread from there (`WorkerLost`, TrainStream.next_step): the same
-batches, the run goes on.
+batches, the run goes on. So does one that hangs (alive, handing over nothing for `HUNG_S`: a
+deadlock, a read stuck on a network filesystem): it is killed with SIGKILL, because it ignores
+the SIGTERM torch stops a worker with, and Python's exit would wait for it forever.
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from typing import Optional
 
 import numpy as np
@@ -45,6 +48,13 @@ PREFETCH_STEPS = 2
 SLOTS = PREFETCH_STEPS + 2
 """The ring's slots: the step the trainer reads, the ones requested, and one spare."""
 ALIGN = 8  # (each array starts 8-byte aligned, for int64 views)
+POLL_S = 5.0
+"""How often a wait for a step checks that the worker is alive (torch's own interval)."""
+HUNG_S = 300.0
+"""A worker that hands over no step for this long is taken as hung. Preparing a step takes
+milliseconds, and the worker's start-up seconds; the limit stays well under the time other
+processes wait at a collective (trainer.process_group_timeout_s, 30 min by default), so a rank
+whose worker hangs goes on before the others give up on it."""
 
 
 class WorkerLost(Exception):
@@ -192,23 +202,34 @@ class Prefetcher:
         loader = torch.utils.data.DataLoader(
             _StepsFrom(params, start, self._ring), batch_size=None, num_workers=1,
             prefetch_factor=PREFETCH_STEPS, multiprocessing_context="spawn",
-            worker_init_fn=_worker_init)
+            worker_init_fn=_worker_init, timeout=POLL_S)
         self._steps = _unwatched(iter(loader))
         self.next_at, self._size_at = start, size_at
 
     def take(self, start: int) -> Optional[list]:
         """The prepared step at `start` (views of its slot, valid until the next `take`), or
         None when the worker is reading other positions (the stream then prepares the step
-        itself and starts a worker from the next one). WorkerLost: the worker died (the steps
-        it had handed over come first)."""
+        itself and starts a worker from the next one). WorkerLost: the worker died, or hung
+        and was killed (the steps it had handed over come first)."""
         if start != self.next_at:
             return None
-        try:
-            at, slot, layout = next(self._steps)
-        except RuntimeError as exc:
-            if "DataLoader worker" not in str(exc):
-                raise
-            raise WorkerLost(str(exc).strip().splitlines()[0]) from None
+        since = time.monotonic()
+        while True:
+            try:
+                at, slot, layout = next(self._steps)
+                break
+            except RuntimeError as exc:
+                # (with a timeout, torch waits that long, checks its worker is alive and raises
+                # one or the other; the iterator is unchanged and can be asked again)
+                if "DataLoader timed out" in str(exc):
+                    if time.monotonic() - since < HUNG_S:
+                        continue
+                    _kill_alive(self._workers())
+                    raise WorkerLost(f"it handed over no step in {HUNG_S:g} s and was "
+                                     f"killed") from None
+                if "DataLoader worker" not in str(exc):
+                    raise
+                raise WorkerLost(str(exc).strip().splitlines()[0]) from None
         if at == "error":
             raise DataError(layout)
         if at != start:  # (the worker reads positions in the order the stream takes them)
@@ -217,6 +238,20 @@ class Prefetcher:
         self.next_at = start + self._size_at(start)
         return unpack(self._slots[slot], layout)
 
+    def _workers(self) -> list:
+        # (a private member of torch's iterator, present since torch 1.x; if it goes, a hung
+        # worker is left to torch's SIGTERM, which it ignores)
+        return list(getattr(self._steps, "_workers", ()))
+
     def close(self) -> None:
-        """Stop the worker: the DataLoader's iterator, freed, tells it to exit and joins it."""
-        self._steps = None
+        """Stop the worker: the DataLoader's iterator, freed, tells it to exit and joins it. A
+        worker that does not exit within torch's wait (a hung one) is killed."""
+        workers, self._steps = self._workers(), None
+        _kill_alive(workers)
+
+
+def _kill_alive(workers: list) -> None:
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+            worker.join(POLL_S)
