@@ -112,7 +112,7 @@ class Trainer:
         self.stop, self.bar, self.stopped_early, self.nonfinite = None, None, False, 0
         self.pending = []  # steps not yet settled (read on the host): see `settle`
         for note in self.import_notes:
-            self.log.warning(f"bert-train: warning: {note}")
+            self._warn_job(f"bert-train: warning: {note}")
         self.clock = time.perf_counter() - self.elapsed  # elapsed counts training time only
         self.lr = float("nan")
 
@@ -321,6 +321,13 @@ class Trainer:
                                         self.resolved_config, self.step, new_lr,
                                         getattr(self.stream.masker, "prep_prob", None))
         if line:
+            self._warn_job(line)
+
+    def _warn_job(self, line: str) -> None:
+        """A warning about the whole job (the same on every process: a resume's changed
+        settings, a stalled held-out accuracy), printed once, by the main process; a process's
+        own trouble (its prefetching worker lost) is printed by that process, with its rank."""
+        if self.main:
             self.log.warning(line)
 
     # ------------------------------------------------------------------ the loop
@@ -645,11 +652,11 @@ class Trainer:
                 self.unigram_baseline = majority_baseline(self.data, self.s.data.eval_split)
             line = stall_warning(self.step, result, self.unigram_baseline)
             if line:
-                self.log.warning(line)
+                self._warn_job(line)
                 warned.add("mlm")
         line = None if "rtd" in warned else detection_stall_warning(self.step, result)
         if line:
-            self.log.warning(line)
+            self._warn_job(line)
             warned.add("rtd")
 
     # ------------------------------------------------------------------ saving

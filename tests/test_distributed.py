@@ -148,9 +148,13 @@ def test_checkpoint_resumes_under_another_world_size(prepared, single, tmp_path)
     assert_same_trajectory(train_records(two_dir), train_records(resumed_1), range(1, 4))
 
     resumed_2 = tmp_path / "resumed_2"
+    # (a changed setting that changes nothing here, warmup_steps being set: its warning, about
+    # the whole job, is printed once, not once a process)
     r = train_torchrun(2, f"data.dir={prepared}", f"run_dir={resumed_2}",
-                       f"resume={single / 'checkpoints' / 'step-00000003'}")
+                       f"resume={single / 'checkpoints' / 'step-00000003'}",
+                       "trainer.warmup_ratio=0.5")
     assert "2 process(es)" in r.stdout and r.stdout.count("resumed from") == 1
+    assert (r.stdout + r.stderr).count("with changed settings") == 1, r.stdout + r.stderr
     assert_same_trajectory(train_records(single), train_records(resumed_2), range(4, 7))
     final = json.loads((resumed_2 / "checkpoints" / "step-00000006" / "trainer_state.json")
                        .read_text())
