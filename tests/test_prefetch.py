@@ -508,8 +508,7 @@ def test_a_worker_lost_is_replaced_by_the_training_thread(prepared, fault, monke
     prefetch.HUNG_S: a deadlock, a stuck filesystem; then killed, as it ignores SIGTERM): the
     steps it handed over are used, then the stream reads on this thread (the same batches),
     reports it once and starts no other worker."""
-    monkeypatch.setattr(prefetch, "HUNG_S", 1.0)
-    monkeypatch.setattr(prefetch, "POLL_S", 0.25)
+    monkeypatch.setattr(prefetch, "POLL_S", 0.25)  # (read as the worker starts)
     plain = _stream(prepared, False, **SCHEDULE)
     ahead = _stream(prepared, True, **SCHEDULE)
     said = []
@@ -522,6 +521,8 @@ def test_a_worker_lost_is_replaced_by_the_training_thread(prepared, fault, monke
             os.kill(worker, signal.SIGKILL)
             why = f"DataLoader worker (pid(s) {worker}) exited unexpectedly"
         else:
+            # (read at each wait; set once the worker has started, which takes seconds)
+            monkeypatch.setattr(prefetch, "HUNG_S", 1.0)
             worker = _hang_the_worker()
             why = "it handed over no step in 1 s and was killed"
         # (without a limit on a hang the stream would wait forever: at the test's hang limit
