@@ -1,5 +1,6 @@
 """What `bert-launch` answers in one line instead of starting, or instead of waiting forever:
-a DeepSpeed config (no such engine ships, bert-train refuses it), a GPU launch on a machine
+a training script or module that is not there (each process used to fail with Python's own
+line: a forgotten `-m bert_pretrain.train`), a DeepSpeed config (no such engine ships, bert-train refuses it), a GPU launch on a machine
 without a GPU (it used to start 8 CPU processes on 2 cores), and a machine that never comes to
 the rendezvous (finite timeout, then the address and what to check)."""
 from __future__ import annotations
@@ -119,6 +120,42 @@ def test_cpu_processes_on_purpose_and_gpu_launches_with_a_gpu_start(monkeypatch,
         launch.main(["--config_file", os.path.join(CONFIGS, config), "-m",
                      "bert_pretrain.train", "experiment=smoke", *extra])
     assert len(started) == 3 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["experiment=smoke", "data.dir=x"], "there is no training script 'experiment=smoke'"),
+    (["-m", "bert_pretrain.tran", "experiment=smoke"],
+     "there is no module bert_pretrain.tran (-m bert_pretrain.tran)"),
+    (["-m", "nosuch.train"], "there is no module nosuch.train (-m nosuch.train)"),
+    (["train_bert.py", "experiment=smoke"], "there is no training script 'train_bert.py'"),
+], ids=["no -m", "a typo", "no package", "no file"])
+def test_a_script_or_module_that_is_not_there_is_one_line(monkeypatch, capsys, tmp_path, argv,
+                                                          what):
+    monkeypatch.chdir(tmp_path)
+    code, lines = bert_launch_in_process(
+        monkeypatch, capsys, "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"), *argv)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0] == (f"bert-launch: error: {what}; the command is bert-launch [launch "
+                        f"options] -m bert_pretrain.train [bert-train settings], e.g. "
+                        f"bert-launch --config_file conf/accelerate/cpu_2proc.yaml -m "
+                        f"bert_pretrain.train experiment=smoke")
+
+
+def test_a_script_or_module_of_ones_own_starts(monkeypatch, capsys, tmp_path):
+    """A file, or a module in the working directory (where `python -m` looks first), is
+    handed on as it is."""
+    from bert_pretrain.tools import launch
+
+    started = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", started.append)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_train.py").write_text("")
+    path_before = list(sys.path)
+    for argv in (["my_train.py"], ["-m", "my_train"], ["-m", "bert_pretrain.train"]):
+        launch.main(["--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"), *argv,
+                     "experiment=smoke"])
+    assert len(started) == 3 and capsys.readouterr().err == ""
+    assert sys.path == path_before
 
 
 def launch_one_node(*flags: str, node_rank: int, timeout_flag: str) -> tuple:

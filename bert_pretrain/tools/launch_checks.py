@@ -1,13 +1,16 @@
 """What `bert-launch` settles in one line before or instead of torch elastic's report: a launch
-bert-train cannot run (DeepSpeed; GPU processes on a machine without a GPU), and machines that
-never meet (the rendezvous timed out).  Each function returns the line to print, or None."""
+bert-train cannot run (no such training script or module; DeepSpeed; GPU processes on a machine
+without a GPU), and machines that never meet (the rendezvous timed out).  Each function returns
+the line to print, or None."""
 from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import logging
 import os
+import sys
 import warnings
 
 FSDP_POINTER = ("for sharded training use FSDP (conf/accelerate/fsdp.yaml, docs/multi-gpu.md), "
@@ -55,8 +58,38 @@ def _names_gpus(args) -> bool:
     return not isinstance(raw, dict) or raw.get("gpu_ids") is not None
 
 
+def missing_script(args) -> str | None:
+    """The one-line error when what every process would run is not there, or None. Each
+    process would end with Python's own line, once per process; a forgotten
+    `-m bert_pretrain.train` (the first setting taken for the script) is the usual cause."""
+    script = getattr(args, "training_script", None)
+    if not script or getattr(args, "no_python", None):
+        return None  # (no script: accelerate's parser says so; --no_python runs a command)
+    if getattr(args, "module", None):
+        # (`python -m` looks in the working directory first, as this check does)
+        sys.path.insert(0, os.getcwd())
+        try:
+            if importlib.util.find_spec(script) is not None:
+                return None
+        except (ImportError, ValueError):
+            pass
+        finally:
+            sys.path.remove(os.getcwd())
+        what = f"there is no module {script} (-m {script})"
+    elif os.path.isfile(script):
+        return None
+    else:
+        what = f"there is no training script {script!r}"
+    return (f"bert-launch: error: {what}; the command is bert-launch [launch options] -m "
+            f"bert_pretrain.train [bert-train settings], e.g. bert-launch --config_file "
+            f"conf/accelerate/cpu_2proc.yaml -m bert_pretrain.train experiment=smoke")
+
+
 def refusal(args) -> str | None:
     """The one-line error for a launch bert-train cannot run, or None."""
+    missing = missing_script(args)
+    if missing:
+        return missing
     launch = _resolved(args)
     if launch is None:
         return None
