@@ -92,7 +92,10 @@ class Trainer:
         """Set up everything `fit` needs; a bad setting fails here, before anything is written
         (except the run directory's log once the configuration is known to be usable)."""
         from .components.metrics import LogWindow
+        from .components.trainer_config import NO_MAIN_GUARD, in_spawn_start_up
 
+        if in_spawn_start_up():  # (before anything: its run folder, its lock, a model)
+            raise SystemExit(NO_MAIN_GUARD)
         self.s, self.tc = s, s.trainer
         self.resolved_config, self.config_yaml = resolved_config, config_yaml
         self.window = LogWindow()

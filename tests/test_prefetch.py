@@ -25,7 +25,8 @@ from bert_pretrain.components import prefetch
 from bert_pretrain.components.data import DataConfig, PreparedData, TrainStream
 from bert_pretrain.errors import DataError
 from time_limits import hang_deadline, hang_limit
-from train_support import CHILD_PYTHONPATH, read_metrics, train_in_process, write_prepared
+from train_support import (REPO, CHILD_PYTHONPATH, read_metrics, train_in_process,
+                           write_prepared)
 
 TIMING = ("tokens_per_s", "elapsed_s")
 
@@ -416,6 +417,48 @@ def test_a_killed_trainer_leaves_its_folder_free_and_its_worker_ends(tmp_path):
     while not all(_gone(w) for w in workers):  # (torch's worker checks its parent every 5 s)
         assert time.monotonic() < deadline, "the orphaned worker never exited"
         time.sleep(0.2)
+
+
+NO_GUARD = """\
+import sys
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from bert_pretrain.config import register, settings
+from bert_pretrain.trainer import train
+
+register()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose(config_name="train", overrides=sys.argv[2:])
+train(settings(cfg), OmegaConf.to_container(cfg, resolve=True),
+      OmegaConf.to_yaml(cfg, resolve=True))
+"""
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_is_told_and_its_run_goes_on(tmp_path, prepared):
+    """spawn imports the main script again in the worker: there, building a Trainer stops at
+    once with one line saying what to fix (it used to build a second model and fail on the run
+    folder's lock with a traceback, or start a second run in a folder of its own); the run
+    goes on, reading on its training thread."""
+    from bert_pretrain.components.trainer_config import NO_MAIN_GUARD
+
+    script, run_dir = tmp_path / "my_train.py", tmp_path / "run"
+    script.write_text(NO_GUARD)
+    r = subprocess.run(
+        [sys.executable, str(script), os.path.join(REPO, "conf", "train"), "experiment=smoke",
+         f"data.dir={prepared}", f"run_dir={run_dir}", "trainer.prefetch=true",
+         "trainer.max_steps=4", "trainer.report=false", "trainer.progress_bar=false"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=hang_limit(),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": CHILD_PYTHONPATH,
+             "WANDB_MODE": "disabled"})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert out.count(NO_MAIN_GUARD) == 1 and "Traceback" not in out, out
+    assert "the process reading batches ahead stopped" in out
+    assert (run_dir / "checkpoints" / "step-00000004" / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["my_train.py", "run"]
 
 
 def test_too_little_shared_memory_is_one_line_that_says_what_to_do(prepared, monkeypatch):

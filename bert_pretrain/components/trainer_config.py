@@ -15,6 +15,22 @@ def in_daemonic_process() -> bool:
     return bool(multiprocessing.current_process().daemon)
 
 
+def in_spawn_start_up() -> bool:
+    """Whether this process is a child started with `spawn` that is still importing its
+    parent's main script (multiprocessing runs the script again, as __mp_main__, before the
+    child's own work; its own check of a missing main guard reads the same flag)."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+NO_MAIN_GUARD = (
+    "bert-train: error: this script builds a Trainer when it is imported, and a process it "
+    "started with spawn (the worker reading batches ahead, trainer.prefetch) imports it again "
+    "to start: put the training under `if __name__ == \"__main__\":` (docs/training.md); "
+    "this process stops here and the run goes on without it")
+
+
 @dataclass
 class TrainerConfig:
     """`conf/train/trainer/`: how long and in what batches to train, when to evaluate, save."""
