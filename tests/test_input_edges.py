@@ -1,7 +1,7 @@
 """Inputs at the edges, each one line or handled: a transformers `Trainer` checkpoint folder
 (it has a trainer_state.json of its own), `bert-predict --file` line numbers after blank lines,
 `model.type_vocab_size=1` with sentence-pair data, a global batch smaller than the number of
-processes."""
+processes or that does not split over them."""
 
 import json
 import os
@@ -84,7 +84,16 @@ def test_one_token_type_with_sentence_pair_data_is_one_line(data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_global_batch_smaller_than_the_process_count_is_one_line(data, tmp_path):
+@pytest.mark.parametrize("size, line", [
+    (1, "trainer.global_batch_size=1 is smaller than the number of processes (2): every "
+        "process needs at least one sample per step; raise it to a multiple of 2 or launch "
+        "fewer processes"),
+    # (micro_batch_size unset: it used to say "not divisible by world_size (2) x
+    # trainer.micro_batch_size (4)", a size the user never set)
+    (9, "trainer.global_batch_size=9 does not split over the 2 processes; make it a multiple "
+        "of 2 (e.g. 10) or launch a number of processes that divides it"),
+], ids=["smaller", "odd"])
+def test_a_global_batch_the_processes_cannot_share_is_one_line(data, tmp_path, size, line):
     from test_distributed import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -94,9 +103,8 @@ def test_a_global_batch_smaller_than_the_process_count_is_one_line(data, tmp_pat
          os.path.join(REPO, "conf", "accelerate", "cpu_2proc.yaml"), "--main_process_port",
          str(free_port()), "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
          f"run_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'h'}",
-         "trainer.global_batch_size=1"], cwd=REPO, env=env, capture_output=True, text=True)
+         f"trainer.global_batch_size={size}"], cwd=REPO, env=env, capture_output=True,
+        text=True)
     lines = (r.stdout + r.stderr).strip().splitlines()
     assert r.returncode == 2, r.stdout + r.stderr
-    assert lines == ["bert-train: error: trainer.global_batch_size=1 is smaller than the number "
-                     "of processes (2): every process needs at least one sample per step; raise "
-                     "it to a multiple of 2 or launch fewer processes"], lines
+    assert lines == [f"bert-train: error: {line}"], lines

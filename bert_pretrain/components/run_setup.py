@@ -99,7 +99,15 @@ def open_training_data(s, world: int, rank: int, device_type: str = "cpu", warn=
             f"processes ({world}): every process needs at least one sample per step; "
             f"raise it to a multiple of {world} or launch fewer processes")
     # (during a batch warmup the micro-batch must divide its smallest batch: its start)
-    micro = tc.micro_batch_size or (s.data.batch_warmup_start or tc.global_batch_size) // world
+    smallest = s.data.batch_warmup_start or tc.global_batch_size
+    if tc.micro_batch_size is None and smallest % world:
+        what = "trainer.global_batch_size" if smallest == tc.global_batch_size \
+            else "data.batch_warmup_start"
+        raise ConfigError(
+            f"{what}={smallest} does not split over the {world} processes; make it a multiple "
+            f"of {world} (e.g. {-(-smallest // world) * world}) or launch a number of processes "
+            f"that divides it")
+    micro = tc.micro_batch_size or smallest // world
     return data, TrainStream(data, s.data, s.seed, tc.global_batch_size, micro, world, rank,
                              prefetch=tc.prefetches(device_type), warn=warn)
 
