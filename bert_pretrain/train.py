@@ -12,6 +12,12 @@ import io
 import os
 import sys
 
+if not __package__:  # (run as a file: the relative imports below would end in a traceback)
+    print("bert-train: error: bert_pretrain/train.py is a module of the package, not a script: "
+          "run bert-train ..., python -m bert_pretrain.train ..., or a launcher's -m "
+          "bert_pretrain.train ...", file=sys.stderr)
+    sys.exit(2)
+
 from .components.cpu_runtime import prefer_passive_omp_wait
 
 prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads it on load)

@@ -1,6 +1,7 @@
 """What `bert-launch` answers in one line instead of starting, or instead of waiting forever:
 a training script or module that is not there (each process used to fail with Python's own
-line: a forgotten `-m bert_pretrain.train`), a DeepSpeed config (no such engine ships, bert-train refuses it), a GPU launch on a machine
+line: a forgotten `-m bert_pretrain.train`) or the training module's file given as a script, a
+DeepSpeed config (no such engine ships, bert-train refuses it), a GPU launch on a machine
 without a GPU (it used to start 8 CPU processes on 2 cores), and a machine that never comes to
 the rendezvous (finite timeout, then the address and what to check)."""
 from __future__ import annotations
@@ -122,13 +123,30 @@ def test_cpu_processes_on_purpose_and_gpu_launches_with_a_gpu_start(monkeypatch,
     assert len(started) == 3 and capsys.readouterr().err == ""
 
 
+TRAIN_PY = os.path.join(REPO, "bert_pretrain", "train.py")
+
+
+def test_the_training_module_run_as_a_file_is_one_line():
+    """`python bert_pretrain/train.py` (or torchrun with the file): its relative imports used
+    to end in an ImportError traceback."""
+    r = subprocess.run([sys.executable, TRAIN_PY, "experiment=smoke"], cwd=REPO,
+                       capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "bert-train: error: bert_pretrain/train.py is a module of the package, not a script: "
+        "run bert-train ..., python -m bert_pretrain.train ..., or a launcher's -m "
+        "bert_pretrain.train ..."]
+
+
 @pytest.mark.parametrize("argv, what", [
     (["experiment=smoke", "data.dir=x"], "there is no training script 'experiment=smoke'"),
     (["-m", "bert_pretrain.tran", "experiment=smoke"],
      "there is no module bert_pretrain.tran (-m bert_pretrain.tran)"),
     (["-m", "nosuch.train"], "there is no module nosuch.train (-m nosuch.train)"),
     (["train_bert.py", "experiment=smoke"], "there is no training script 'train_bert.py'"),
-], ids=["no -m", "a typo", "no package", "no file"])
+    ([TRAIN_PY, "experiment=smoke"],
+     f"{TRAIN_PY} is a module of the bert_pretrain package, not a script"),
+], ids=["no -m", "a typo", "no package", "no file", "the module's file"])
 def test_a_script_or_module_that_is_not_there_is_one_line(monkeypatch, capsys, tmp_path, argv,
                                                           what):
     monkeypatch.chdir(tmp_path)

@@ -110,9 +110,10 @@ status 128 + the signal's number).
 Plain `accelerate launch` ends these in ~35 lines of torch elastic's report, with exit status 1.
 What the processes print is left as it is.
 It refuses in one line (exit status 2) a training script or module that is not there (a
-forgotten -m bert_pretrain.train), a DeepSpeed config, a GPU launch on a machine without a GPU
-(CPU processes on purpose: add trainer.cpu=true), and machines that do not meet within the
-rendezvous timeout (--rdzv_conf timeout=SECONDS; join_timeout=SECONDS with --rdzv_backend c10d).
+forgotten -m bert_pretrain.train) or bert_pretrain/train.py as a file, a DeepSpeed config, a
+GPU launch on a machine without a GPU (CPU processes on purpose: add trainer.cpu=true), and
+machines that do not meet within the rendezvous timeout (--rdzv_conf timeout=SECONDS;
+join_timeout=SECONDS with --rdzv_backend c10d).
 
 Ready accelerate configs are in conf/accelerate/ (see README, "Multi-GPU and multi-node
 training"):

@@ -76,13 +76,22 @@ def missing_script(args) -> str | None:
         finally:
             sys.path.remove(os.getcwd())
         what = f"there is no module {script} (-m {script})"
-    elif os.path.isfile(script):
-        return None
-    else:
+    elif not os.path.isfile(script):
         what = f"there is no training script {script!r}"
+    elif _in_the_package(script):
+        what = f"{script} is a module of the bert_pretrain package, not a script"
+    else:
+        return None
     return (f"bert-launch: error: {what}; the command is bert-launch [launch options] -m "
             f"bert_pretrain.train [bert-train settings], e.g. bert-launch --config_file "
             f"conf/accelerate/cpu_2proc.yaml -m bert_pretrain.train experiment=smoke")
+
+
+def _in_the_package(path: str) -> bool:
+    """Whether `path` is a file of this package (its modules import each other relatively:
+    run as a file, each would stop with an ImportError)."""
+    package = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return os.path.realpath(path).startswith(package + os.sep)
 
 
 def refusal(args) -> str | None:
