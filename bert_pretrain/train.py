@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from .cli_errors import precheck, suggest_from  # noqa: E402
 from .config import TrainConfig, register, settings  # noqa: E402
+from .components.process_group import PeersLost  # noqa: E402
 from .errors import UserError  # noqa: E402
 
 register()
@@ -81,6 +82,19 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+def _lost(message: str) -> None:
+    """One line, exit 1, for a process that lost the others mid-run.  Every surviving process
+    sees the same loss: one per machine prints it (local rank 0: on 64 GPUs, 8 lines rather than
+    63 tracebacks), every one leaves it in its error file.  Exit status 1 (not 2, a user error):
+    the launcher restarts the group when --max-restarts allows."""
+    line = f"bert-train: error: {message}"
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+    _leave_error_file(line)
+    _leave_launched_group(1)
+    sys.exit(1)
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _run(cfg: DictConfig) -> float:
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
@@ -98,6 +112,8 @@ def _run(cfg: DictConfig) -> float:
 
         return train(s, OmegaConf.to_container(cfg, resolve=True),
                      OmegaConf.to_yaml(cfg, resolve=True))
+    except PeersLost as exc:  # (a peer died or hung: not the user's error, exit status 1)
+        _lost(str(exc))
     except UserError as exc:
         if multirun:
             # Let the sweeper record this member as failed and go on with the others (Optuna

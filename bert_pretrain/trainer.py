@@ -365,6 +365,14 @@ class Trainer:
                     break
             self.bar.close()
             return self.finish()
+        except Exception as exc:
+            from .components.process_group import PeersLost, lost_line, lost_peers
+
+            words = lost_peers(exc) if self.world > 1 else None
+            if words is None:
+                raise
+            raise PeersLost(lost_line(self.rank, self.step, words,
+                                      tc.process_group_timeout_s, self.last_saved)) from exc
         finally:
             self.close()
 

@@ -172,6 +172,18 @@ def test_launch_report_for_a_crash_names_the_rank(tmp_path, capsys):
     crash = ChildFailedError("t", {0: _failure(tmp_path, 0, -15), 1: _failure(tmp_path, 1, 1)})
     assert _report(crash) == 1
     assert "rank 1 exited with status 1" in capsys.readouterr().err
+    # a rank that lost its peer failed because of the one that died, though its error file
+    # is older than the time the agent found the dead one: the dead one is named
+    lost = ("bert-train: error: [rank 0] lost the other processes after step 4 (gloo: "
+            "Connection closed by peer [127.0.0.1]:396): ...")
+    died = ChildFailedError("t", {0: _failure(tmp_path, 0, 1, lost), 1: _failure(tmp_path, 1, -9)})
+    assert died.get_first_failure()[0] == 0  # what torch elastic calls the first failure
+    assert _report(died) == 1
+    assert "rank 1 was killed by signal SIGKILL" in capsys.readouterr().err
+    # the one that died was on another machine: this machine's line is all there is
+    assert _report(ChildFailedError("t", {0: _failure(tmp_path, 0, 1, lost)})) == 1
+    assert capsys.readouterr().err.strip() == f"bert-launch: error: rank 0 exited with status 1 " \
+                                              f"({lost})"
 
 
 def test_shutdown_noise_drops_only_the_agents_records_after_a_user_error():

@@ -149,7 +149,13 @@ def assert_restarted_once(r: subprocess.CompletedProcess, run_dir: Path,
     assert r.returncode == 0, r.stderr[-4000:]
     # the kill happened, the first restart came up (no attempt failed joining the group: before
     # process_group.py about every other restart did), and resumed where the test expects
-    assert failures(r) == ["-9"], r.stderr[-3000:]
+    # (the agent names the first process it finds gone: the killed one, or the other, which
+    # lost its peer and ended in one line, exit status 1, before the agent looked)
+    assert failures(r) in (["-9"], ["1"]), r.stderr[-3000:]
+    if failures(r) == ["1"]:
+        assert "lost the other processes after step" in r.stderr, r.stderr[-3000:]
+    # the process left without its peer ended in one line (or was stopped by the agent first)
+    assert "Traceback" not in r.stderr and "Error executing job" not in r.stderr, r.stderr[-4000:]
     if resumed_from is None:
         assert "resumed from" not in r.stdout
     else:
@@ -207,7 +213,9 @@ def test_bert_launch_restarts_with_accelerates_flags(data, uninterrupted, tmp_pa
     run_dir = tmp_path / "run"
     r = launch(bert_launch(), run_dir, data, "1:step:5")
     assert r.returncode == 0, r.stderr[-4000:]
-    assert failures(r) == ["-9"] and r.stdout.count("resumed from") == 1, r.stderr[-3000:]
+    assert failures(r) in (["-9"], ["1"]) and r.stdout.count("resumed from") == 1, \
+        r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-4000:]
     assert_bit_equal(weights(uninterrupted), weights(run_dir))
 
 

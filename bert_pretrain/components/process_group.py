@@ -16,11 +16,17 @@ that way with `--rdzv-backend c10d`, the second (after two failed attempts) resu
 `join` builds the group itself, before accelerate does (accelerate then adopts it): the same
 store, under a prefix of the restart count, so each attempt's keys are its own, and a finite
 timeout for set-up and for every collective.
+
+Once running, a process whose peer dies (its connection closes) or hangs (a collective waits
+past that timeout) gets the backend's error in the middle of a step; `lost_peers` tells that
+error from any other, so the trainer can end the process in one line (`PeersLost`) instead of a
+traceback on every surviving process.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 from ..errors import ConfigError
@@ -60,3 +66,50 @@ def join(backend: str, timeout_s: float) -> None:
             f"; check that every process (every machine's launcher) started, that the address "
             f"and port are reachable from every machine, and raise the timeout if they start "
             f"late") from None
+
+
+class PeersLost(Exception):
+    """This process lost the other processes of its group in the middle of the run (a peer died
+    or hung, or the network failed); its str() is the one line to print."""
+
+
+# Words of the backends' errors when a peer is gone or silent: gloo's "Connection closed by
+# peer", "Connection reset by peer", "Timed out waiting 120000ms for recv operation to complete";
+# NCCL's "remote process exited or there was a network error", "communicator was aborted".
+_LOST = re.compile(r"closed by peer|reset by peer|timed? ?out|remote process|network error|"
+                   r"broken pipe|connection refused|aborted", re.IGNORECASE)
+
+
+def lost_peers(exc: BaseException) -> str | None:
+    """The backend's own words when `exc` is this process losing the others mid-run, else
+    None.  gloo raises plain RuntimeErrors that begin with its source file
+    ('[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer ...'); NCCL and the store
+    raise torch.distributed's DistError kinds.  Anything else (a bug, an out-of-memory error)
+    is not a lost peer and keeps its traceback."""
+    import torch.distributed as dist
+
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    # without gloo's "[file.cc:N] " and its advice after the first sentence ("This is typically
+    # caused by a remote worker hanging ... GLHF!")
+    words = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0] or type(exc).__name__
+    if isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)):
+        return words
+    if isinstance(exc, dist.DistBackendError) or (isinstance(exc, RuntimeError)
+                                                  and "/gloo/" in text):
+        return words if _LOST.search(text) else None
+    return None
+
+
+def lost_line(rank: int, step: int, words: str, timeout_s: float,
+              last_checkpoint_step: int | None) -> str:
+    """The one line for a process that lost the others after `step`."""
+    import torch.distributed as dist
+
+    backend = dist.get_backend() if dist.is_initialized() else "process group"
+    start = (f"the last complete checkpoint (step {last_checkpoint_step})"
+             if last_checkpoint_step is not None else "the start (no checkpoint yet)")
+    return (f"[rank {rank}] lost the other processes after step {step} ({backend}: {words}): "
+            f"another process of this job died or hung, or the network failed (a collective "
+            f"waits trainer.process_group_timeout_s={timeout_s:g} s); its own output says "
+            f"which. resume=auto continues from {start}; under a launcher with --max-restarts "
+            f"that happens by itself")

@@ -24,6 +24,7 @@ import sys
 
 ELASTIC_API = "torch.distributed.elastic.multiprocessing.api"
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+LOST = "lost the other processes"  # (components/process_group.lost_line)
 
 
 class _ShutdownNoise(logging.Filter):
@@ -72,7 +73,11 @@ def _report(exc) -> int:
     # the agent's closing signal to the other ranks is not the cause: name a rank that failed
     # on its own (the first by its error file's time, whole seconds) when there is one
     own = {r: f for r, f in exc.failures.items() if f.exitcode != -15} or exc.failures
-    rank, failure = min(own.items(), key=lambda item: item[1].timestamp)
+    # a rank that lost its peers (bert-train's "lost the other processes" line) failed because
+    # another did: that other is the cause, though its error file (none after a SIGKILL) may
+    # carry a later time than the survivor's
+    cause = {r: f for r, f in own.items() if LOST not in _message(f)} or own
+    rank, failure = min(cause.items(), key=lambda item: item[1].timestamp)
     message = _message(failure)
     if failure.exitcode < 0:
         how = f"was killed by signal {failure.signal_name()}"
