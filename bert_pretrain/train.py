@@ -86,13 +86,20 @@ def _lost(message: str) -> None:
     """One line, exit 1, for a process that lost the others mid-run.  Every surviving process
     sees the same loss: one per machine prints it (local rank 0: on 64 GPUs, 8 lines rather than
     63 tracebacks), every one leaves it in its error file.  Exit status 1 (not 2, a user error):
-    the launcher restarts the group when --max-restarts allows."""
+    the launcher restarts the group when --max-restarts allows.  It leaves without the
+    interpreter's teardown under any launcher (srun or one's own too, not only torch elastic's):
+    gloo's threads, still waiting on the lost peer, abort it there ('terminate called without an
+    active exception', exit -6; seen with a peer that hung)."""
+    import logging
+
     line = f"bert-train: error: {message}"
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
     _leave_error_file(line)
-    _leave_launched_group(1)
-    sys.exit(1)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

@@ -21,6 +21,7 @@ import pytest
 from test_distributed import assert_same_trajectory, free_port, train_records
 from test_restarts import assert_bit_equal, data, sharded_state, weights  # noqa: F401 (data)
 from time_limits import hang_deadline, hang_limit
+from train_support import await_one_of
 
 pytestmark = pytest.mark.slow  # seven launches of ~20 s each on a shared 2-core machine
 
@@ -194,3 +195,30 @@ def test_a_machine_that_vanishes_leaves_the_run_to_the_machines_left(data, one_l
         for key in ("loss", "mlm_loss", "nsp_loss", "tokens_seen"):
             assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
     assert_bit_equal(weights(alone, STEPS), weights(run_dir, STEPS))
+
+
+def test_the_machine_left_when_the_main_machine_vanishes_says_so_in_one_line(data, tmp_path):
+    """Two bert-launch machines (static rendezvous: machine 0's launcher holds it); machine 0
+    vanishes after the checkpoint of step 5.  Machine 1's process ends in bert-train's one line,
+    its launcher's restart finds the rendezvous gone and ends in one line too (it said "the
+    machines did not meet", as if they never had), exit status 1, no traceback."""
+    run_dir, port = tmp_path / "run", free_port()
+    procs, out, err = await_one_of([(
+        [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
+         str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
+         "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
+         "--main_process_port", str(port), "--max_restarts", "1",
+         *training(data, run_dir, "resume=auto")],
+        {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == 0 else ENV)
+        for machine in (0, 1)], awaited=1)
+    assert procs[0].returncode == -9
+    assert procs[1].returncode == 1, out + err
+    assert "Traceback" not in err, err[-4000:]
+    lines = [line for line in err.splitlines() if " error: " in line]
+    assert len(lines) == 2, err[-4000:]
+    assert lines[0].startswith("bert-train: error: [rank 1] lost the other processes after step "
+                               "5 (gloo: "), lines[0]
+    assert lines[1].startswith(f"bert-launch: error: lost the main machine at 127.0.0.1:{port} ("
+                               ), lines[1]
+    assert lines[1].endswith("run the same command on every machine with resume=auto to continue "
+                             "from the last complete checkpoint")

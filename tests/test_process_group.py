@@ -14,7 +14,7 @@ import pytest
 
 from test_distributed import free_port
 from time_limits import hang_limit
-from train_support import REPO, write_prepared
+from train_support import REPO, await_one_of, write_prepared
 
 
 def test_process_0_alone_stops_in_one_line_after_the_timeout(tmp_path):
@@ -44,24 +44,13 @@ def test_a_peer_lost_mid_run_ends_the_other_in_one_line(tmp_path, fault, words):
     traceback, and not a wait without end."""
     data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
     port = free_port()
-    procs = []
-    try:
-        for rank in (0, 1):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
-                   "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                   "BERT_TRAIN_FAULT": fault}
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke",
-                 f"data.dir={data}", f"run_dir={tmp_path / 'run'}", "trainer.cpu=true",
-                 "trainer.checkpoint_every=2", "trainer.max_steps=6",
-                 "trainer.process_group_timeout_s=3", "trainer.prefetch=false"],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        out, err = procs[0].communicate(timeout=hang_limit())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.communicate()
+    procs, out, err = await_one_of([(
+        [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
+         f"run_dir={tmp_path / 'run'}", "trainer.cpu=true", "trainer.checkpoint_every=2",
+         "trainer.max_steps=6", "trainer.process_group_timeout_s=3", "trainer.prefetch=false"],
+        {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
+         "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+         "BERT_TRAIN_FAULT": fault}) for rank in (0, 1)], awaited=0)
     assert procs[0].returncode == 1, out + err
     assert "Traceback" not in err, err
     lost = [line for line in err.splitlines() if line.startswith("bert-train: error:")]

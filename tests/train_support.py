@@ -224,3 +224,21 @@ def train_in_process(overrides) -> float:
     cfg = compose(_no_report(overrides))
     return train(settings(cfg), OmegaConf.to_container(cfg, resolve=True),
                  OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def await_one_of(commands: list[tuple[list, dict]], awaited: int) -> tuple[list, str, str]:
+    """Start every (command, environment) at once in the repository, wait (within the test's
+    hang limit) for command `awaited`, then kill any still running.  Returns the processes (each
+    with its returncode) and the awaited one's stdout and stderr."""
+    procs = []
+    try:
+        for command, env in commands:
+            procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+        out, err = procs[awaited].communicate(timeout=hang_limit())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    return procs, out, err

@@ -25,6 +25,7 @@ import sys
 ELASTIC_API = "torch.distributed.elastic.multiprocessing.api"
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 LOST = "lost the other processes"  # (components/process_group.lost_line)
+LOST_MAIN = "lost the main machine"  # (launch_checks.rendezvous_failure)
 
 
 class _ShutdownNoise(logging.Filter):
@@ -109,7 +110,8 @@ Usage: bert-launch [accelerate launch options] -m bert_pretrain.train [bert-trai
 bert-launch is `accelerate launch` with the same options, and a short report when a process
 fails: a bert-train user error ends the launch with its one `bert-train: error:` line and exit
 status 2; a crash, a signal or running out of memory, with one line naming the failed rank
-(exit status 1 or the process's own); SIGTERM or Ctrl-C to bert-launch (a preemption) is
+(exit status 1 or the process's own; the rank that died, not those that lost it); the main
+machine lost while this one restarts its processes, with one line (exit status 1); SIGTERM or Ctrl-C to bert-launch (a preemption) is
 passed on to every process, which saves at the end of its step, and ends with one line (exit
 status 128 + the signal's number).
 Plain `accelerate launch` ends these in ~35 lines of torch elastic's report, with exit status 1.
@@ -199,7 +201,8 @@ def main(argv=None) -> None:
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
-        sys.exit(2)
+        # (machines that never met: a command or address to fix, 2; a lost machine: 1)
+        sys.exit(1 if LOST_MAIN in line else 2)
 
 
 if __name__ == "__main__":

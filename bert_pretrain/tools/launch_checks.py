@@ -10,6 +10,7 @@ import importlib.util
 import io
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -122,6 +123,12 @@ def refusal(args) -> str | None:
     return None
 
 
+# A rendezvous store's connection that broke (rather than never came up): the machine holding
+# the store went away after the machines had met.
+_LOST_STORE = re.compile(r"broken pipe|reset by peer|closed by peer|got 0 bytes|connection was "
+                         r"likely closed", re.IGNORECASE)
+
+
 def rendezvous_failure(exc, args) -> str | None:
     """The one-line error when the launcher's rendezvous gave up (another machine never came),
     or None for any other exception."""
@@ -133,6 +140,12 @@ def rendezvous_failure(exc, args) -> str | None:
     address = f"{getattr(args, 'main_process_ip', None) or '127.0.0.1'}:" \
               f"{getattr(args, 'main_process_port', None) or 29500}"
     detail = (str(exc).strip().splitlines() or ["timed out waiting for the other machines"])[0]
+    if _LOST_STORE.search(detail):  # a connection that was up went down: they had met
+        return (f"bert-launch: error: lost the main machine at {address} ({detail}): its "
+                f"launcher, which holds the machines' rendezvous, stopped or the machine went "
+                f"away while this one was restarting its processes; once it is back, run the "
+                f"same command on every machine with resume=auto to continue from the last "
+                f"complete checkpoint")
     c10d = getattr(args, "rdzv_backend", "static") == "c10d"
     return (f"bert-launch: error: the machines did not meet at {address} ({detail}); check that "
             f"the same command runs on every machine (--num_machines, each with its own "
