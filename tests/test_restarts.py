@@ -65,10 +65,11 @@ def launch(launcher: list[str], run_dir: Path, data: str, fault: str | None = No
                           timeout=hang_limit())
 
 
-def torchrun(restarts: int = 2) -> list[str]:
+def torchrun(restarts: int = 2, logs: Path | None = None) -> list[str]:
+    """torchrun of 2 processes; `logs`: the agent's --log-dir (its processes' error files)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "--max-restarts", str(restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"127.0.0.1:{free_port()}"]
+            f"127.0.0.1:{free_port()}", *(["--log-dir", str(logs)] if logs else [])]
 
 
 def bert_launch() -> list[str]:
@@ -139,21 +140,29 @@ KILL_POINTS = {
 @pytest.mark.parametrize("fault", list(KILL_POINTS))
 def test_sigkilled_rank_restarts_and_ends_bit_equal(data, uninterrupted, tmp_path, fault):
     run_dir = tmp_path / "run"
-    r = launch(torchrun(), run_dir, data, fault)
-    assert_restarted_once(r, run_dir, KILL_POINTS[fault])
+    r = launch(torchrun(logs=tmp_path / "logs"), run_dir, data, fault)
+    assert_restarted_once(r, run_dir, KILL_POINTS[fault], tmp_path / "logs")
     assert_bit_equal(weights(uninterrupted), weights(run_dir))
 
 
+def lost_lines(r: subprocess.CompletedProcess, logs: Path) -> list[str]:
+    """bert-train's lost-peer lines: printed by local rank 0, in every process's error file
+    (torch elastic's `<logs>/<run id>/attempt_<n>/<local rank>/error.json`)."""
+    text = r.stderr + "".join(p.read_text() for p in logs.glob("*/attempt_*/*/error.json"))
+    return re.findall(r"\[rank \d\] lost the other processes after step \d+", text)
+
+
 def assert_restarted_once(r: subprocess.CompletedProcess, run_dir: Path,
-                          resumed_from: int | None) -> None:
+                          resumed_from: int | None, logs: Path) -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     # the kill happened, the first restart came up (no attempt failed joining the group: before
     # process_group.py about every other restart did), and resumed where the test expects
     # (the agent names the first process it finds gone: the killed one, or the other, which
-    # lost its peer and ended in one line, exit status 1, before the agent looked)
+    # lost its peer and ended in one line, exit status 1, before the agent looked: printed when
+    # it is local rank 0, in its error file always)
     assert failures(r) in (["-9"], ["1"]), r.stderr[-3000:]
     if failures(r) == ["1"]:
-        assert "lost the other processes after step" in r.stderr, r.stderr[-3000:]
+        assert lost_lines(r, logs), r.stderr[-3000:]
     # the process left without its peer ended in one line (or was stopped by the agent first)
     assert "Traceback" not in r.stderr and "Error executing job" not in r.stderr, r.stderr[-4000:]
     if resumed_from is None:
@@ -197,9 +206,9 @@ def test_sigkilled_rank_of_a_sharded_run_restarts_and_ends_bit_equal(data, unint
                                                                       tmp_path, point):
     run_dir = tmp_path / "run"
     how, _, spec = point.partition("=")
-    r = launch(torchrun(), run_dir, data, spec if how == "fault" else None,
+    r = launch(torchrun(logs=tmp_path / "logs"), run_dir, data, spec if how == "fault" else None,
                "trainer.sharding=fsdp", kill_point=spec if how == "kill" else None)
-    assert_restarted_once(r, run_dir, FSDP_KILL_POINTS[point])
+    assert_restarted_once(r, run_dir, FSDP_KILL_POINTS[point], tmp_path / "logs")
     assert "sharding: FSDP2 over 2 process(es)" in r.stdout
     # model and optimizer state: the difference measured was 0 at every point, so bit-equal
     # is asserted (not a tolerance: the same 2 processes redo the same sums)
