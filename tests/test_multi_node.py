@@ -46,6 +46,15 @@ def torchrun_nodes(endpoint: str) -> list[list[str]]:
              endpoint, "--rdzv-id", "two-nodes"] for node in (0, 1)]
 
 
+def bert_launch_machine(machine: int, port: int, *args: str) -> list[str]:
+    """bert-launch as machine `machine` of two, one process each (multi_node.yaml's static
+    rendezvous, held by machine 0's launcher at 127.0.0.1:`port`)."""
+    return [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
+            str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
+            "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port), *args]
+
+
 def run_nodes(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Start every node's launcher at once and wait for all (each with the test's limit)."""
     procs = [subprocess.Popen(c, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
@@ -98,10 +107,7 @@ def test_two_torchrun_nodes_train_what_one_launcher_trains(data, one_launcher, t
 
 def test_two_bert_launch_machines_train_what_one_launcher_trains(data, one_launcher, tmp_path):
     run_dir, port = tmp_path / "run", free_port()
-    run_nodes([[sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
-                str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
-                "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(port), *training(data, run_dir)] for node in (0, 1)])
+    run_nodes([bert_launch_machine(node, port, *training(data, run_dir)) for node in (0, 1)])
     assert_same_run(one_launcher, run_dir)
 
 
@@ -139,10 +145,7 @@ def test_a_machine_that_vanishes_leaves_one_line_and_the_run_goes_on_with_fewer(
     torch, so the test makes the second launch itself.)"""
     run_dir, port = tmp_path / "run", free_port()
     procs, out, err = await_one_of([(
-        [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
-         str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
-         "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), *training(data, run_dir, "resume=auto")],
+        bert_launch_machine(machine, port, *training(data, run_dir, "resume=auto")),
         {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == 1 else ENV)
         for machine in (0, 1)], awaited=0)
     assert procs[1].returncode == -9
@@ -181,11 +184,8 @@ def test_the_machine_left_when_the_main_machine_vanishes_says_so_in_one_line(dat
     machines did not meet", as if they never had), exit status 1, no traceback."""
     run_dir, port = tmp_path / "run", free_port()
     procs, out, err = await_one_of([(
-        [sys.executable, "-m", "bert_pretrain.tools.launch", "--config_file",
-         str(REPO / "conf" / "accelerate" / "multi_node.yaml"), "--num_processes", "2",
-         "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", str(port), "--max_restarts", "1",
-         *training(data, run_dir, "resume=auto")],
+        bert_launch_machine(machine, port, "--max_restarts", "1",
+                            *training(data, run_dir, "resume=auto")),
         {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == 0 else ENV)
         for machine in (0, 1)], awaited=1)
     assert procs[0].returncode == -9
