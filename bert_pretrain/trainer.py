@@ -122,13 +122,14 @@ class Trainer:
     # ------------------------------------------------------------------ set-up
     def _setup_accelerator(self) -> None:
         from .components.precision import Precision
-        from .components.run_setup import make_accelerator
+        from .components.run_setup import check_same_settings, make_accelerator
         from .components.sharding import resolve_sharding
 
         acc, self.keeps_freed_memory = make_accelerator(self.tc)
         self.accelerator = acc
         self.world, self.rank, self.main = acc.num_processes, acc.process_index, \
             acc.is_main_process
+        check_same_settings(self.resolved_config, self.world)  # (as the command gave them)
         self.sharded = resolve_sharding(self.tc.sharding, self.world)
         self.shard_layout = None  # the start-up line's description, once sharded
         self.precision = Precision.resolve(self.tc.mixed_precision, acc.device.type)
@@ -814,12 +815,22 @@ def train(s, resolved_config: dict, config_yaml: str) -> float:
     created = first_missing(s.run_dir)
     try:
         trainer = Trainer(s, resolved_config, config_yaml)
-    except UserError as exc:
+    except Exception as exc:
+        from .components.process_group import PeersLost, lost_line, lost_peers
         from .components.runlog import close_run_log
 
+        # another process stopped in its start-up (its own error) or hung: this one's
+        # collective fails; one line and nothing left, as for a refusal
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        words = lost_peers(exc) if world > 1 and not isinstance(exc, UserError) else None
+        if words is None and not isinstance(exc, UserError):
+            raise
         close_run_log()
         if not isinstance(exc, FolderBusy):  # (busy: the folder is the other run's)
             remove_unused_run_dir(s.run_dir, created)
+        if words is not None:
+            raise PeersLost(lost_line(int(os.environ.get("RANK", "0")), None, words,
+                                      s.trainer.process_group_timeout_s, None)) from exc
         raise
     if trainer.main:  # the run folder is this run's now (new, or continued by resume)
         write_record(s.run_dir, trainer.config_yaml, replace=True)

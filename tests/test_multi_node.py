@@ -20,7 +20,7 @@ import pytest
 from test_distributed import assert_same_trajectory, free_port, train_records
 from test_restarts import assert_bit_equal, data, sharded_state, weights  # noqa: F401 (data)
 from time_limits import hang_limit
-from train_support import await_one_of
+from train_support import await_one_of, run_all
 
 pytestmark = pytest.mark.slow  # seven launches of ~20 s each on a shared 2-core machine
 
@@ -57,18 +57,7 @@ def bert_launch_machine(machine: int, port: int, *args: str) -> list[str]:
 
 def run_nodes(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
     """Start every node's launcher at once and wait for all (each with the test's limit)."""
-    procs = [subprocess.Popen(c, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for c in commands]
-    results = []
-    try:
-        for c, p in zip(commands, procs):
-            out, err = p.communicate(timeout=hang_limit())
-            results.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    results = run_all([(c, ENV) for c in commands])
     for r in results:
         assert r.returncode == 0, f"{' '.join(r.args)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return results

@@ -3,10 +3,13 @@ silent hang: process 0 of 2 started by hand (as a launcher would, RANK/WORLD_SIZ
 the environment) with no process 1.  Before components/process_group.py the wait was accelerate's
 init_process_group with torch's default timeout: 30 minutes, then a traceback.  And a peer lost
 in the middle of the run (it dies, or hangs past the timeout) ends the other process in one line
-too, where gloo's traceback ended it before."""
+too, where gloo's traceback ended it before.  And processes started with other settings (another
+override on one machine, other data) stop at start-up in one line that names the difference,
+and a process whose peer stopped at an error of its own in start-up ends in one line."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +17,8 @@ import pytest
 
 from test_distributed import free_port
 from time_limits import hang_limit
-from train_support import REPO, await_one_of, write_prepared
+from bert_pretrain.components.run_setup import _differences
+from train_support import REPO, await_one_of, run_all, write_prepared
 
 
 def test_process_0_alone_stops_in_one_line_after_the_timeout(tmp_path):
@@ -59,3 +63,95 @@ def test_a_peer_lost_mid_run_ends_the_other_in_one_line(tmp_path, fault, words):
                               "(gloo: "), lost[0]
     assert words in lost[0] and "trainer.process_group_timeout_s=3 s" in lost[0]
     assert "resume=auto continues from the last complete checkpoint (step 2)" in lost[0]
+
+
+def pair(tmp_path, data: str, overrides: dict[int, list[str]]) -> list[subprocess.CompletedProcess]:
+    """Processes 0 and 1 of one job, started by hand (as a launcher would), the same command
+    plus each one's own `overrides`; both awaited."""
+    port = free_port()
+    return run_all([(
+        [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
+         f"run_dir={tmp_path / 'run'}", "trainer.cpu=true", "trainer.max_steps=4",
+         "trainer.process_group_timeout_s=30", "trainer.prefetch=false", *overrides.get(rank, [])],
+        {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
+         "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for rank in (0, 1)])
+
+
+def errors(r: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in r.stderr.splitlines() if "error" in line.lower()]
+
+
+def test_processes_started_with_other_settings_stop_at_start_up_in_one_line(tmp_path):
+    """Process 1 of a job got another optim.lr and trainer.max_steps (a machine launched with a
+    stale command): it trained on before, DDP's replicas drifting apart without a word (each
+    applied the averaged gradient with its own lr), or, with another max_steps, both waited in a
+    collective for the process-group timeout.  Now both stop before anything is written, exit
+    status 2, and rank 0 prints the one line naming the difference."""
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    r0, r1 = pair(tmp_path, data, {0: ["optim.lr=0.001"],
+                                   1: ["optim.lr=0.0005", "trainer.max_steps=8"]})
+    assert (r0.returncode, r1.returncode) == (2, 2), r0.stderr + r1.stderr
+    assert errors(r0) == [
+        "bert-train: error: rank 1 runs other settings than rank 0: optim.lr: 0.0005 there, "
+        "0.001 on rank 0; trainer.max_steps: 8 there, 4 on rank 0; every process of a job must "
+        "run the same bert-train command (the same overrides, config files and prepared data on "
+        "every machine)"], r0.stderr
+    assert errors(r1) == [], r1.stderr  # (rank 0 says it; rank 1's error file has it)
+    assert "Traceback" not in r0.stderr + r1.stderr
+    assert not (tmp_path / "run").exists()  # nothing left behind
+
+
+@pytest.mark.parametrize("other", ["copy", "other data"])
+def test_each_machine_may_read_its_own_copy_of_the_data_but_not_other_data(tmp_path, other):
+    """data.dir may differ between processes (a copy on each machine's own disk): a copy of the
+    same prepared data trains; data prepared otherwise (another manifest) is refused in one
+    line naming both folders."""
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    mine = str(tmp_path / "mine")
+    if other == "copy":
+        shutil.copytree(data, mine)
+    else:
+        write_prepared(mine, num_train=24, num_valid=8)
+    r0, r1 = pair(tmp_path, data, {1: [f"data.dir={mine}"]})
+    if other == "copy":
+        assert (r0.returncode, r1.returncode) == (0, 0), r0.stderr + r1.stderr
+        assert "bert-train: finished at step 4" in r0.stdout
+        return
+    assert (r0.returncode, r1.returncode) == (2, 2), r0.stderr + r1.stderr
+    line, = errors(r0)
+    assert line.startswith(f"bert-train: error: rank 1 runs other settings than rank 0: "
+                           f"data.dir's manifest.json: {mine} (sha256 "), line
+    assert f" there, {data} (sha256 " in line and line.count(";") == 1, line
+
+
+def test_a_peer_that_stops_at_its_own_error_in_start_up_ends_the_other_in_one_line(tmp_path):
+    """Process 1's data folder is missing on its machine: it stops with its own line (exit 2;
+    in its error file, rank 0 prints the job's lines); process 0, waiting for it in start-up,
+    ended in Hydra's 'Error executing job' and gloo's traceback.  Now one line, exit status 1,
+    and no run folder left."""
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    r0, r1 = pair(tmp_path, data, {1: [f"data.dir={tmp_path / 'missing'}"]})
+    assert (r0.returncode, r1.returncode) == (1, 2), r0.stderr + r1.stderr
+    assert "Traceback" not in r0.stderr and "Error executing job" not in r0.stderr, r0.stderr
+    line, = errors(r0)
+    assert line.startswith("bert-train: error: [rank 0] lost the other processes during start-up"
+                           " (gloo: "), line
+    assert line.endswith("nothing was trained. Run the same command again once that is fixed")
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_difference_line_names_hosts_other_ranks_and_counts_the_rest():
+    base = {"optim.lr": 0.001, "trainer.max_steps": 10, "a": 1, "b": 2, "c": 3,
+            "data.dir's manifest.json": "ab" * 32}
+    other = {**base, "a": 5, "b": 6, "c": 7, "optim.lr": 0.002}
+    line = _differences([(base, "gpu-a", "/d"), (base, "gpu-a", "/d"), (other, "gpu-b", "/d"),
+                         ({**base, "a": 9}, "gpu-c", "/d")])
+    assert line.startswith("rank 2 on gpu-b and 1 other rank(s) runs other settings than rank 0 "
+                           "on gpu-a: a: 5 there, 1 on rank 0; b: 6 there, 2 on rank 0; c: 7 "
+                           "there, 3 on rank 0 (and 1 more settings); every process"), line
+    # a key only one side has; a manifest one side could not read is left to the data's check
+    assert _differences([(base, "h", "/d"), ({**base, "extra": 1}, "h", "/d")]).startswith(
+        "rank 1 runs other settings than rank 0: extra: 1 there, unset on rank 0;")
+    assert _differences([(base, "h", "/d"), ({**base, "data.dir's manifest.json": None}, "h",
+                                             "/e")]) == ""

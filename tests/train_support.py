@@ -2,6 +2,7 @@
 docs/prepared-format.md specifies (for unit tests that must not depend on bert-prep's speed), and
 a helper that runs bert-prep for real (end-to-end tests)."""
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -226,19 +227,38 @@ def train_in_process(overrides) -> float:
                  OmegaConf.to_yaml(cfg, resolve=True))
 
 
-def await_one_of(commands: list[tuple[list, dict]], awaited: int) -> tuple[list, str, str]:
-    """Start every (command, environment) at once in the repository, wait (within the test's
-    hang limit) for command `awaited`, then kill any still running.  Returns the processes (each
-    with its returncode) and the awaited one's stdout and stderr."""
+@contextlib.contextmanager
+def _started(commands: list[tuple[list, dict]]):
+    """Every (command, environment) started at once in the repository; on leaving, any still
+    running is killed."""
     procs = []
     try:
         for command, env in commands:
             procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.PIPE, text=True))
-        out, err = procs[awaited].communicate(timeout=hang_limit())
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def run_all(commands: list[tuple[list, dict]]) -> list[subprocess.CompletedProcess]:
+    """Start every (command, environment) at once and wait for all, each within the test's
+    hang limit."""
+    results = []
+    with _started(commands) as procs:
+        for (command, _), p in zip(commands, procs):
+            out, err = p.communicate(timeout=hang_limit())
+            results.append(subprocess.CompletedProcess(command, p.returncode, out, err))
+    return results
+
+
+def await_one_of(commands: list[tuple[list, dict]], awaited: int) -> tuple[list, str, str]:
+    """Start every (command, environment) at once in the repository, wait (within the test's
+    hang limit) for command `awaited`, then kill any still running.  Returns the processes (each
+    with its returncode) and the awaited one's stdout and stderr."""
+    with _started(commands) as procs:
+        out, err = procs[awaited].communicate(timeout=hang_limit())
     return procs, out, err

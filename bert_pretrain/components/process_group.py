@@ -100,12 +100,20 @@ def lost_peers(exc: BaseException) -> str | None:
     return None
 
 
-def lost_line(rank: int, step: int, words: str, timeout_s: float,
+def lost_line(rank: int, step: int | None, words: str, timeout_s: float,
               last_checkpoint_step: int | None) -> str:
-    """The one line for a process that lost the others after `step`."""
+    """The one line for a process that lost the others after `step` (None: in start-up, before
+    the first step)."""
     import torch.distributed as dist
 
     backend = dist.get_backend() if dist.is_initialized() else "process group"
+    if step is None:
+        # (typically another process stopped at an error of its own: a data folder missing on
+        # its machine prints nothing there but its rank's error file, if it is not rank 0)
+        return (f"[rank {rank}] lost the other processes during start-up ({backend}: {words}): "
+                f"another process of this job stopped at an error of its own (its output or its "
+                f"error file, in the launcher's report, says which) or hung, or the network "
+                f"failed; nothing was trained. Run the same command again once that is fixed")
     start = (f"the last complete checkpoint (step {last_checkpoint_step})"
              if last_checkpoint_step is not None else "the start (no checkpoint yet)")
     return (f"[rank {rank}] lost the other processes after step {step} ({backend}: {words}): "

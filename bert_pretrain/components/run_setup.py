@@ -2,7 +2,10 @@
 checks that keep N processes one run), the training data (checked against the model settings
 and the process count), and the model (fresh, or a transformers BERT to continue from)."""
 
+import hashlib
+import json
 import os
+import socket
 
 import torch
 
@@ -71,6 +74,91 @@ def make_accelerator(tc):
             f"DDP (conf/accelerate/multi_gpu.yaml or multi_node.yaml)"
         )
     return acc, keeps
+
+
+DATA_KEY = "data.dir's manifest.json"  # (data.dir itself may differ between machines)
+_UNSET = object()
+
+
+def check_same_settings(resolved_config: dict, world: int) -> None:
+    """Every process of a launched job runs the same settings, or every one stops here, at
+    start-up, in the same line.  A machine started with another override or a stale config
+    file otherwise trained on: another optim.lr made DDP's replicas drift apart without a word
+    (each applies the averaged gradient its own way; the checkpoint holds rank 0's), another
+    trainer.max_steps left the others waiting in a collective for the process-group timeout,
+    then ending as if a peer had died (both probed, two torchrun nodes).  data.dir may differ
+    (a copy on each machine's own disk) but what it holds may not: its manifest.json (counts,
+    shards, tokenizer hash, masking) is compared in its place; a folder without one is left
+    to the data's own check."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    mine = _comparable(resolved_config)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=repr).encode()).hexdigest()
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (mine, socket.gethostname(),
+                                      resolved_config.get("data", {}).get("dir")))
+    message = _differences(everyone)
+    if message:
+        raise ConfigError(message)
+
+
+
+def _comparable(config: dict) -> dict:
+    """`config` flattened to {'trainer.max_steps': 10, ...}, data.dir replaced by its
+    manifest's sha256 (None: no manifest to read), and torch's version."""
+    flat = {}
+
+    def walk(node, prefix):
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = node
+    walk(config, "")
+    data_dir = flat.pop("data.dir", None)
+    try:
+        with open(os.path.join(str(data_dir), "manifest.json"), "rb") as f:
+            flat[DATA_KEY] = hashlib.sha256(f.read()).hexdigest()
+    except (OSError, TypeError):
+        flat[DATA_KEY] = None
+    flat["torch version"] = torch.__version__  # (another build: other sums, other kernels)
+    return flat
+
+
+def _differences(everyone: list) -> str:
+    """The line that names the first rank whose settings differ from rank 0's, and how ('' when
+    only a missing manifest differs: the data's own check says more)."""
+    reference, host0, dir0 = everyone[0]
+    differing = []
+    for rank, (settings, host, data_dir) in enumerate(everyone[1:], start=1):
+        keys = [key for key in sorted(set(reference) | set(settings))
+                if settings.get(key, _UNSET) != reference.get(key, _UNSET)
+                and not (key == DATA_KEY and None in (settings.get(key), reference.get(key)))]
+        if keys:
+            differing.append((rank, host, data_dir, keys, settings))
+    if not differing:
+        return ""
+    rank, host, data_dir, keys, settings = differing[0]
+
+    def shown(key, values, folder):
+        value = values.get(key, _UNSET)
+        if key == DATA_KEY:
+            return f"{folder} (sha256 {value[:12]})"
+        return "unset" if value is _UNSET else str(value)
+    what = "; ".join(f"{key}: {shown(key, settings, data_dir)} there, "
+                     f"{shown(key, reference, dir0)} on rank 0" for key in keys[:3])
+    more = f" (and {len(keys) - 3} more settings)" if len(keys) > 3 else ""
+    others = f" and {len(differing) - 1} other rank(s)" if len(differing) > 1 else ""
+    hosts = (f" on {host}", f" on {host0}") if host != host0 else ("", "")
+    return (f"rank {rank}{hosts[0]}{others} runs other settings than rank 0{hosts[1]}: {what}"
+            f"{more}; every process of a job must run the same bert-train command (the same "
+            f"overrides, config files and prepared data on every machine)")
 
 
 def open_training_data(s, world: int, rank: int, device_type: str = "cpu", warn=None):
