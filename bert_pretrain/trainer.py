@@ -185,6 +185,7 @@ class Trainer:
     def _setup_run(self) -> None:
         from .components.checkpoint_manager import CheckpointManager
         from .components.resume import check_seed, saved_config
+        from .components.run_setup import check_shared_run_dir
         from .components.runlog import open_run_log
 
         s = self.s
@@ -198,12 +199,13 @@ class Trainer:
         # repair() could remove the temp files of the first one's save in progress), repairs
         # interrupted saves, then finds and verifies the checkpoint (hashing every file), and
         # tells the others.  Rank 0 of the whole job only: the folder is shared by every node.
-        found = [None, None]  # path, or the error every process must raise
+        found = [None, None, None]  # path, or the error every process must raise; the stamp
         if self.main:
             try:
                 from .components.folder_lock import lock_folder
 
                 self.run_lock = lock_folder(self.run_dir, "bert-train")
+                found[2] = self.run_lock.stamp()  # (the others look for it: check_shared_run_dir)
                 self.checkpoints.repair()
                 found[0] = self.checkpoints.find(s.resume)
             except UserError as exc:
@@ -214,6 +216,7 @@ class Trainer:
             broadcast_object_list(found)
         if found[1] is not None:
             raise found[1]
+        check_shared_run_dir(self.run_dir, found[2], self.world)
         self.resume_path = found[0]
         self.saved_config = saved_config(self.resume_path) if self.resume_path else None
         if self.resume_path:

@@ -65,13 +65,16 @@ def test_a_peer_lost_mid_run_ends_the_other_in_one_line(tmp_path, fault, words):
     assert "resume=auto continues from the last complete checkpoint (step 2)" in lost[0]
 
 
-def pair(tmp_path, data: str, overrides: dict[int, list[str]]) -> list[subprocess.CompletedProcess]:
+def pair(tmp_path, data: str, overrides: dict[int, list[str]], wrap: dict[int, list[str]] | None
+         = None, run_dir=None) -> list[subprocess.CompletedProcess]:
     """Processes 0 and 1 of one job, started by hand (as a launcher would), the same command
-    plus each one's own `overrides`; both awaited."""
+    (run_dir: tmp_path/run unless given) plus each one's own `overrides`, each under its own
+    `wrap` command if any; both awaited."""
     port = free_port()
     return run_all([(
-        [sys.executable, "-m", "bert_pretrain.train", "experiment=smoke", f"data.dir={data}",
-         f"run_dir={tmp_path / 'run'}", "trainer.cpu=true", "trainer.max_steps=4",
+        [*(wrap or {}).get(rank, []), sys.executable, "-m", "bert_pretrain.train",
+         "experiment=smoke", f"data.dir={data}", f"run_dir={run_dir or tmp_path / 'run'}",
+         "trainer.cpu=true", "trainer.max_steps=4",
          "trainer.process_group_timeout_s=30", "trainer.prefetch=false", *overrides.get(rank, [])],
         {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "RANK": str(rank),
          "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -155,3 +158,42 @@ def test_the_difference_line_names_hosts_other_ranks_and_counts_the_rest():
         "rank 1 runs other settings than rank 0: extra: 1 there, unset on rank 0;")
     assert _differences([(base, "h", "/d"), ({**base, "data.dir's manifest.json": None}, "h",
                                              "/e")]) == ""
+
+
+def own_mount_of(folder) -> list[str] | None:
+    """A command prefix that runs a command in a mount namespace of its own where `folder` is a
+    fresh empty tmpfs (as another machine's own disk at the same path would be), or None where
+    this machine cannot make one (no unshare, no privilege for a mount namespace)."""
+    wrap = ["sh", "-c", f'mount -t tmpfs none "{folder}" && exec "$@"', "sh"]
+    for unshare in (["unshare", "-m", "--propagation", "private"],
+                    ["unshare", "-U", "-r", "-m", "--propagation", "private"]):
+        try:
+            if subprocess.run([*unshare, *wrap, "true"], capture_output=True,
+                              timeout=hang_limit()).returncode == 0:
+                return [*unshare, *wrap]
+        except OSError:
+            return None
+    return None
+
+
+def test_a_run_dir_that_is_not_one_folder_for_every_process_stops_at_start_up(tmp_path):
+    """Process 1 runs where run_dir's parent is a folder of its own (a mount namespace with a
+    tmpfs there: another machine whose run_dir is on its own disk).  Before, the job trained to
+    the first checkpoint and process 1 ended there in a traceback ('Parent directory
+    .../.tmp-step-00000002 does not exist'); now both stop at start-up, exit status 2, rank 0
+    prints one line naming the folder, and nothing is left in it."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    wrap = own_mount_of(runs)
+    if wrap is None:
+        pytest.skip("this machine cannot make a mount namespace (unshare -m / -Urm)")
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    r0, r1 = pair(tmp_path, data, {}, wrap={1: wrap}, run_dir=runs / "run")
+    assert (r0.returncode, r1.returncode) == (2, 2), r0.stderr + r1.stderr
+    assert errors(r0) == [
+        f"bert-train: error: run_dir {runs / 'run'} is not one folder for every process: rank 1 "
+        f"does not see the folder rank 0 locked there; every process writes its part of each "
+        f"checkpoint into it, so put run_dir on storage every machine mounts at the same path "
+        f"(NFS, Lustre, a shared disk)"], r0.stderr
+    assert "Traceback" not in r0.stderr + r1.stderr, r1.stderr
+    assert list(runs.iterdir()) == []  # (rank 0's run folder, made for this run, removed)

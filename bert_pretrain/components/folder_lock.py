@@ -4,10 +4,12 @@ Two commands writing one folder at once would each report success over the other
 writer holds an exclusive `flock` on a lock file inside the folder for as long as it runs; a
 second command finds it held and stops with one line.  The kernel releases the lock when its
 process ends in any way (kill -9 included), so a restart is never blocked by a stale lock, and
-the file left behind (empty, or the pid of a killed holder) means nothing by itself; it is never
-deleted, as a deleted lock file lets a third command lock a new one while the second still
-holds the old.  (flock over NFS is only as good as the NFS
-client: on such a folder two hosts must still not be pointed at one run.)
+the file left behind (empty, or the pid and stamp of a killed holder) means nothing by itself;
+it is never deleted, as a deleted lock file lets a third command lock a new one while the
+second still holds the old.  (flock over NFS is only as good as the NFS client: on such a
+folder two hosts must still not be pointed at one run.)  bert-train's rank 0 stamps the file
+with a random token that every other process must read back (run_setup.check_shared_run_dir):
+a run folder that is not the same folder on every machine is refused at start-up.
 
     lock = lock_folder(run_dir, "bert-train")   # raises FolderBusy: another one writes it
     ...
@@ -41,6 +43,23 @@ class FolderLock:
             os.close(self.fd)  # (closing the descriptor drops the flock)
             self.fd = None
 
+    def stamp(self) -> str:
+        """Write a new random token into the lock file, after the holder's pid, and return it:
+        a process on another machine that reads it back from its own path to the folder sees
+        the same folder (`sees_stamp`)."""
+        import uuid
+
+        token = uuid.uuid4().hex
+        text = f"{os.getpid()}\n{token}\n".encode()
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, text, 0)
+            os.fsync(self.fd)  # (an NFS client sends it to the server now, for the others)
+        else:  # (a file system without flock: the file is there all the same)
+            with open(self.path, "wb") as f:
+                f.write(text)
+        return token
+
     def __del__(self):  # a holder dropped without release() (a test's trainer never fitted)
         self.release()
 
@@ -62,7 +81,17 @@ def _holder(fd: int) -> str:
         text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
     except OSError:
         return ""
+    text = text.splitlines()[0] if text else ""  # (the pid; a stamp may follow)
     return f" (process {text})" if text.isdigit() else ""
+
+
+def sees_stamp(folder: str, token: str, name: str = LOCK_FILE) -> bool:
+    """Whether `folder`'s lock file, read from this process, holds `token` (FolderLock.stamp)."""
+    try:
+        with open(os.path.join(folder, name), "rb") as f:
+            return token.encode() in f.read(256)
+    except OSError:
+        return False
 
 
 def lock_folder(folder: str, command: str, name: str = LOCK_FILE) -> FolderLock:

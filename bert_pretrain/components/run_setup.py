@@ -161,6 +161,33 @@ def _differences(everyone: list) -> str:
             f"overrides, config files and prepared data on every machine)")
 
 
+
+def check_shared_run_dir(run_dir: str, stamp: str, world: int) -> None:
+    """Every process sees the run folder rank 0 locked (`stamp`: the token rank 0 wrote into its
+    lock file), or every one stops here in one line.  Each process writes its part of every
+    checkpoint into it (its RNG state; its shards, sharded): a run_dir on each machine's own disk
+    failed at the first save, maybe hours in, with a traceback on the other machines ('Parent
+    directory .../.tmp-step-00000002 does not exist'; probed, a process in a mount namespace
+    of its own)."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    from .folder_lock import sees_stamp
+
+    seen = [None] * world
+    dist.all_gather_object(seen, (sees_stamp(run_dir, stamp), socket.gethostname()))
+    blind = [rank for rank, (sees, _) in enumerate(seen) if not sees]
+    if blind:
+        host, host0 = seen[blind[0]][1], seen[0][1]
+        where = (f" on {host}", f" on {host0}") if host != host0 else ("", "")
+        others = f" and {len(blind) - 1} other rank(s)" if len(blind) > 1 else ""
+        raise ConfigError(
+            f"run_dir {run_dir} is not one folder for every process: rank {blind[0]}{where[0]}"
+            f"{others} does not see the folder rank 0{where[1]} locked there; every process "
+            f"writes its part of each checkpoint into it, so put run_dir on storage every "
+            f"machine mounts at the same path (NFS, Lustre, a shared disk)")
+
 def open_training_data(s, world: int, rank: int, device_type: str = "cpu", warn=None):
     """(PreparedData, TrainStream) for settings `s` on this process (on `device_type`); `warn`
     reports a lost prefetching worker (TrainStream)."""
