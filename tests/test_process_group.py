@@ -17,7 +17,7 @@ import pytest
 
 from test_distributed import free_port
 from time_limits import hang_limit
-from bert_pretrain.components.run_setup import _differences
+from bert_pretrain.components.run_setup import _comparable, _differences, code_digest
 from train_support import REPO, await_one_of, run_all, write_prepared
 
 
@@ -197,3 +197,22 @@ def test_a_run_dir_that_is_not_one_folder_for_every_process_stops_at_start_up(tm
         f"(NFS, Lustre, a shared disk)"], r0.stderr
     assert "Traceback" not in r0.stderr + r1.stderr, r1.stderr
     assert list(runs.iterdir()) == []  # (rank 0's run folder, made for this run, removed)
+
+
+def test_the_settings_compared_hold_the_data_torch_and_our_code(tmp_path):
+    """What each process compares beside its config: data.dir's manifest (not the path), torch's
+    version, and a digest of bert_pretrain's .py files, which changes with any of their bytes
+    (a machine whose checkout was not updated)."""
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    flat = _comparable({"data": {"dir": data, "seq": 32}, "optim": {"lr": 0.1, "betas": [1, 2]}})
+    assert "data.dir" not in flat and flat["data.seq"] == 32 and flat["optim.betas"] == [1, 2]
+    assert len(flat["data.dir's manifest.json"]) == 64 and flat["torch version"]
+    assert _comparable({"data": {"dir": str(tmp_path / "none")}})["data.dir's manifest.json"] \
+        is None
+    package = tmp_path / "bert_pretrain"
+    shutil.copytree(os.path.join(REPO, "bert_pretrain"), package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert code_digest(str(package)) == flat["bert_pretrain's code"] == code_digest()
+    trainer = package / "trainer.py"
+    trainer.write_text(trainer.read_text() + "\n# a line more\n")
+    assert code_digest(str(package)) != code_digest()

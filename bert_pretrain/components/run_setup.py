@@ -111,7 +111,7 @@ def check_same_settings(resolved_config: dict, world: int) -> None:
 
 def _comparable(config: dict) -> dict:
     """`config` flattened to {'trainer.max_steps': 10, ...}, data.dir replaced by its
-    manifest's sha256 (None: no manifest to read), and torch's version."""
+    manifest's sha256 (None: no manifest to read), torch's version and our code's digest."""
     flat = {}
 
     def walk(node, prefix):
@@ -128,7 +128,23 @@ def _comparable(config: dict) -> dict:
     except (OSError, TypeError):
         flat[DATA_KEY] = None
     flat["torch version"] = torch.__version__  # (another build: other sums, other kernels)
+    flat["bert_pretrain's code"] = code_digest()  # (a machine whose checkout was not updated)
     return flat
+
+
+def code_digest(root: str | None = None) -> str:
+    """A short sha256 of the .py files of the package at `root` (this one by default): their
+    paths in it and their bytes."""
+    root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, root).encode() + b"\0")
+            with open(path, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _differences(everyone: list) -> str:
