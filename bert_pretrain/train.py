@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .cli_errors import precheck, suggest_from  # noqa: E402
+from .cli_errors import leave_process_group, precheck, suggest_from  # noqa: E402
 from .config import TrainConfig, register, settings  # noqa: E402
 from .components.process_group import PeersLost  # noqa: E402
 from .errors import UserError  # noqa: E402
@@ -78,7 +78,7 @@ def _fail(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # first: an error file from rank 0 then means the
         print(line, file=sys.stderr, flush=True)  # line is on the screen
     _leave_error_file(line)
-    _leave_launched_group(2)
+    leave_process_group(2)
     sys.exit(2)
 
 
@@ -167,28 +167,7 @@ def _main() -> None:
     if refused:
         _fail(refused)
     _run()
-    _leave_launched_group()
-
-
-def _leave_launched_group(status: int = 0) -> None:
-    """A process of a launched group (torchrun, accelerate launch, srun or one's own script
-    setting RANK/WORLD_SIZE) leaves without the interpreter's teardown, with `status`: after its
-    run finished (0), and after a user error found once its process group was up (2: a missing
-    resume checkpoint, a busy run folder, settings that differ from rank 0's).
-    gloo's worker threads (held by the DDP wrapper, or by a group never destroyed because
-    set-up stopped) aborted one rank during teardown in roughly one of ten 2-process CPU runs
-    that finished, and in 2 of 60 that stopped at a user error ('terminate called without an
-    active exception', exit -6; torch 2.13), which the launcher reports as a crash, not as the
-    user's mistake.  Everything is written, synced and flushed by now (the error line, the
-    error file, the run folder's clean-up)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -314,6 +314,28 @@ def test_two_processes_equal_one(run, tasks, tmp_path):
         assert (x is None and y is None) or abs(x - y) < 1e-5
 
 
+
+def test_processes_with_other_settings_stop_at_start_up_in_one_line(run, tasks, tmp_path):
+    """Two fine-tune processes started by hand (as a launcher would), process 1 with another
+    learning-rate grid: both stop at start-up, exit status 2, and rank 0 names the difference
+    (bert-train's check, run_setup.check_same_settings); nothing is written."""
+    from test_distributed import free_port
+    from train_support import run_all
+
+    port, out = free_port(), tmp_path / "out"
+    r0, r1 = run_all([(
+        [sys.executable, "-m", "bert_pretrain.finetune", *tasks["pair"], f"model={run}", *FAST,
+         "trainer.cpu=true", f"out_dir={out}", *(["recipe.lrs=[2e-3]"] if rank else [])],
+        {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": CHILD_PYTHONPATH,
+         "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+         "MASTER_PORT": str(port)}) for rank in (0, 1)])
+    assert (r0.returncode, r1.returncode) == (2, 2), r0.stderr + r1.stderr
+    assert [line for line in r0.stderr.splitlines() if "error" in line] == [
+        "bert-finetune: error: rank 1 runs other settings than rank 0: recipe.lrs: [0.002] there, "
+        "[0.001] on rank 0; every process of a job must run the same bert-finetune command (the "
+        "same overrides, config files and prepared data on every machine)"], r0.stderr
+    assert "error" not in r1.stderr and not out.exists(), r1.stderr
+
 def test_pre_ln_relative_position_encoder_fine_tunes(tasks, tmp_path, one_thread):
     """Our encoder, so the architectures transformers cannot compute fine-tune too; their kept
     model has no config.json (nothing would load it as another model) and reloads as ours."""

@@ -54,7 +54,10 @@ class FolderLock:
         if self.fd is not None:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, text, 0)
-            os.fsync(self.fd)  # (an NFS client sends it to the server now, for the others)
+            try:
+                os.fsync(self.fd)  # (an NFS client sends it to the server now, for the others)
+            except OSError:
+                pass  # (a file system that cannot: the others' read tells)
         else:  # (a file system without flock: the file is there all the same)
             with open(self.path, "wb") as f:
                 f.write(text)

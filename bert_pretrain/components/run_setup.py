@@ -80,7 +80,7 @@ DATA_KEY = "data.dir's manifest.json"  # (data.dir itself may differ between mac
 _UNSET = object()
 
 
-def check_same_settings(resolved_config: dict, world: int) -> None:
+def check_same_settings(resolved_config: dict, world: int, prog: str = "bert-train") -> None:
     """Every process of a launched job runs the same settings, or every one stops here, at
     start-up, in the same line.  A machine started with another override or a stale config
     file otherwise trained on: another optim.lr made DDP's replicas drift apart without a word
@@ -103,10 +103,9 @@ def check_same_settings(resolved_config: dict, world: int) -> None:
     everyone = [None] * world
     dist.all_gather_object(everyone, (mine, socket.gethostname(),
                                       resolved_config.get("data", {}).get("dir")))
-    message = _differences(everyone)
+    message = _differences(everyone, prog)
     if message:
         raise ConfigError(message)
-
 
 
 def _comparable(config: dict) -> dict:
@@ -147,7 +146,7 @@ def code_digest(root: str | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def _differences(everyone: list) -> str:
+def _differences(everyone: list, prog: str = "bert-train") -> str:
     """The line that names the first rank whose settings differ from rank 0's, and how ('' when
     only a missing manifest differs: the data's own check says more)."""
     reference, host0, dir0 = everyone[0]
@@ -173,9 +172,8 @@ def _differences(everyone: list) -> str:
     others = f" and {len(differing) - 1} other rank(s)" if len(differing) > 1 else ""
     hosts = (f" on {host}", f" on {host0}") if host != host0 else ("", "")
     return (f"rank {rank}{hosts[0]}{others} runs other settings than rank 0{hosts[1]}: {what}"
-            f"{more}; every process of a job must run the same bert-train command (the same "
+            f"{more}; every process of a job must run the same {prog} command (the same "
             f"overrides, config files and prepared data on every machine)")
-
 
 
 def check_shared_run_dir(run_dir: str, stamp: str, world: int) -> None:
@@ -203,6 +201,7 @@ def check_shared_run_dir(run_dir: str, stamp: str, world: int) -> None:
             f"{others} does not see the folder rank 0{where[1]} locked there; every process "
             f"writes its part of each checkpoint into it, so put run_dir on storage every "
             f"machine mounts at the same path (NFS, Lustre, a shared disk)")
+
 
 def open_training_data(s, world: int, rank: int, device_type: str = "cpu", warn=None):
     """(PreparedData, TrainStream) for settings `s` on this process (on `device_type`); `warn`

@@ -21,7 +21,7 @@ prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ..cli_errors import interrupted, precheck, suggest_from  # noqa: E402
+from ..cli_errors import interrupted, leave_process_group, precheck, suggest_from  # noqa: E402
 from ..errors import UserError  # noqa: E402
 from .config import register  # noqa: E402
 
@@ -34,6 +34,7 @@ def fail(prog: str, message: str) -> None:
     """One line, exit 2; under a launcher only the main process prints it."""
     if os.environ.get("RANK", "0") == "0":
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    leave_process_group(2)
     sys.exit(2)
 
 
@@ -43,7 +44,7 @@ def finetune(s, config_yaml: str) -> dict:
     from .pretrained import load_pretrained
     from .runner import Session
 
-    session = Session.start(s.trainer)
+    session = Session.start(s.trainer, config_yaml, "bert-finetune")
     say = say_main(session)
     try:
         pretrained = load_pretrained(s.model)

@@ -36,7 +36,7 @@ def run_glue(g, config_yaml: str = "") -> dict:
     from .runner import Session
     from .tasks import TaskConfig
 
-    session = Session.start(g.trainer)
+    session = Session.start(g.trainer, config_yaml, "bert-glue")
     say = say_main(session)
     start = time.perf_counter()
     entries = []  # each model, then (controls=true) the same model from random init

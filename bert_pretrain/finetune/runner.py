@@ -93,7 +93,11 @@ class Session:
     """precision.Precision: autocast, loss scaling (a fresh scaler per fine-tune: `scaler`)."""
 
     @classmethod
-    def start(cls, trainer_cfg) -> "Session":
+    def start(cls, trainer_cfg, config_yaml: str = "", prog: str = "bert-finetune") -> "Session":
+        """The session of one command; launched as several processes, each checks that it runs
+        rank 0's settings (`config_yaml`, the resolved config: run_setup.check_same_settings),
+        as bert-train's do: another lr or grid otherwise drifted the replicas apart or left them
+        waiting in different fine-tunes' collectives."""
         from accelerate import Accelerator
 
         from ..components.cpu_runtime import keep_freed_memory
@@ -115,6 +119,12 @@ class Session:
         if acc.distributed_type.name in ("FSDP", "DEEPSPEED"):
             raise ConfigError(f"accelerate is set up for {acc.distributed_type.name}; "
                               f"bert-finetune runs under DDP or one process")
+        if acc.num_processes > 1 and config_yaml:
+            import yaml
+
+            from ..components.run_setup import check_same_settings
+
+            check_same_settings(yaml.safe_load(config_yaml) or {}, acc.num_processes, prog)
         return cls(acc, acc.num_processes, acc.process_index, acc.is_main_process, policy.mode,
                    policy.reason, policy)
 
