@@ -120,6 +120,23 @@ def test_two_torchrun_nodes_shard_what_one_launcher_shards(data, one_launcher, t
     assert_same_trajectory(ddp, sharded, range(1, STEPS + 1))  # within TOL
 
 
+def machine_vanishes(gone: int, port: int, args: list[str]) -> list[str]:
+    """Two bert-launch machines running `args`; machine `gone`'s launcher and process are
+    SIGKILLed right after the checkpoint of step 5 (BERT_TRAIN_FAULT's NODE, in its environment
+    only).  Checks that the other machine's launcher exits 1 without a traceback, with two error
+    lines (its process's, its launcher's), and returns them."""
+    left = 1 - gone
+    procs, out, err = await_one_of([(
+        bert_launch_machine(machine, port, *args),
+        {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == gone else ENV)
+        for machine in (0, 1)], awaited=left)
+    assert procs[gone].returncode == -9
+    assert procs[left].returncode == 1, out + err
+    assert "Traceback" not in err, err[-4000:]
+    lines = [line for line in err.splitlines() if " error: " in line]
+    assert len(lines) == 2, err[-4000:]
+    return lines
+
 def test_a_machine_that_vanishes_leaves_one_line_and_the_run_goes_on_with_fewer(data,
                                                                             one_launcher,
                                                                             tmp_path):
@@ -133,15 +150,7 @@ def test_a_machine_that_vanishes_leaves_one_line_and_the_run_goes_on_with_fewer(
     second launch by itself; its re-rendezvous on one host failed once in four here, inside
     torch, so the test makes the second launch itself.)"""
     run_dir, port = tmp_path / "run", free_port()
-    procs, out, err = await_one_of([(
-        bert_launch_machine(machine, port, *training(data, run_dir, "resume=auto")),
-        {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == 1 else ENV)
-        for machine in (0, 1)], awaited=0)
-    assert procs[1].returncode == -9
-    assert procs[0].returncode == 1, out + err
-    assert "Traceback" not in err, err[-4000:]
-    lines = [line for line in err.splitlines() if " error: " in line]
-    assert len(lines) == 2, err[-4000:]
+    lines = machine_vanishes(1, port, training(data, run_dir, "resume=auto"))
     assert lines[0].startswith("bert-train: error: [rank 0] lost the other processes after step "
                                "5 (gloo: "), lines[0]
     assert "from the last complete checkpoint (step 5)" in lines[0]
@@ -172,16 +181,8 @@ def test_the_machine_left_when_the_main_machine_vanishes_says_so_in_one_line(dat
     its launcher's restart finds the rendezvous gone and ends in one line too (it said "the
     machines did not meet", as if they never had), exit status 1, no traceback."""
     run_dir, port = tmp_path / "run", free_port()
-    procs, out, err = await_one_of([(
-        bert_launch_machine(machine, port, "--max_restarts", "1",
-                            *training(data, run_dir, "resume=auto")),
-        {**ENV, "BERT_TRAIN_FAULT": "*:saved:5:NODE"} if machine == 0 else ENV)
-        for machine in (0, 1)], awaited=1)
-    assert procs[0].returncode == -9
-    assert procs[1].returncode == 1, out + err
-    assert "Traceback" not in err, err[-4000:]
-    lines = [line for line in err.splitlines() if " error: " in line]
-    assert len(lines) == 2, err[-4000:]
+    lines = machine_vanishes(0, port, ["--max_restarts", "1",
+                                       *training(data, run_dir, "resume=auto")])
     assert lines[0].startswith("bert-train: error: [rank 1] lost the other processes after step "
                                "5 (gloo: "), lines[0]
     assert lines[1].startswith(f"bert-launch: error: lost the main machine at 127.0.0.1:{port} ("
