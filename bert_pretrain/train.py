@@ -90,16 +90,12 @@ def _lost(message: str) -> None:
     interpreter's teardown under any launcher (srun or one's own too, not only torch elastic's):
     gloo's threads, still waiting on the lost peer, abort it there ('terminate called without an
     active exception', exit -6; seen with a peer that hung)."""
-    import logging
-
     line = f"bert-train: error: {message}"
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
     _leave_error_file(line)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+    leave_process_group(1)
+    sys.exit(1)  # (not reached: a lost peer needs a group of more than one process)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

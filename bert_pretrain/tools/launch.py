@@ -111,9 +111,9 @@ bert-launch is `accelerate launch` with the same options, and a short report whe
 fails: a bert-train user error ends the launch with its one `bert-train: error:` line and exit
 status 2; a crash, a signal or running out of memory, with one line naming the failed rank
 (exit status 1 or the process's own; the rank that died, not those that lost it); the main
-machine lost while this one restarts its processes, with one line (exit status 1); SIGTERM or Ctrl-C to bert-launch (a preemption) is
-passed on to every process, which saves at the end of its step, and ends with one line (exit
-status 128 + the signal's number).
+machine lost while this one restarts its processes, with one line (exit status 1); SIGTERM or
+Ctrl-C to bert-launch (a preemption) is passed on to every process, which saves at the end of
+its step, and ends with one line (exit status 128 + the signal's number).
 Plain `accelerate launch` ends these in ~35 lines of torch elastic's report, with exit status 1.
 What the processes print is left as it is.
 It refuses in one line (exit status 2) a training script or module that is not there (a
