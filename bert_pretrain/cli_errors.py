@@ -51,6 +51,36 @@ def leave_process_group(status: int = 0) -> None:
     os._exit(status)
 
 
+def leave_error_file(line: str) -> None:
+    """torch elastic's per-process error file: the launcher's failure report shows its message
+    (and bert-launch prints it when the main process could not)."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and line:
+        import json
+        import time
+
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
+        except OSError:
+            pass
+
+
+def end_launched(line: str, status: int, each_machine: bool = False) -> None:
+    """End a command that may be one process of a launched group with its one error `line` and
+    exit `status`.  One process prints it: the main one (every process usually hits the same
+    user error, and N copies scrolled away under the launcher's report helped nobody), or with
+    `each_machine` each machine's first (a lost peer: what a machine saw is its own; on 64 GPUs,
+    8 lines rather than 63 tracebacks).  Every process leaves it in its error file, and leaves
+    the group without the interpreter's teardown (leave_process_group)."""
+    printer = "LOCAL_RANK" if each_machine else "RANK"
+    if os.environ.get(printer, "0") == "0":  # first: an error file from the printer then means
+        print(line, file=sys.stderr, flush=True)  # the line is on the screen
+    leave_error_file(line)
+    leave_process_group(status)
+    sys.exit(status)
+
+
 def interrupted(prog: str, advice: str) -> None:
     """A command stopped by Ctrl-C (a KeyboardInterrupt: bert-train and bert-finetune save on
     the first Ctrl-C during training and stop at once on a second): one line saying how to go

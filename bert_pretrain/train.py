@@ -27,7 +27,8 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from .cli_errors import leave_process_group, precheck, suggest_from  # noqa: E402
+from .cli_errors import (end_launched, leave_error_file, leave_process_group,  # noqa: E402
+                         precheck, suggest_from)
 from .config import TrainConfig, register, settings  # noqa: E402
 from .components.process_group import PeersLost  # noqa: E402
 from .errors import UserError  # noqa: E402
@@ -55,47 +56,20 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
                         "conf", "train")
 
 
-def _leave_error_file(line: str) -> None:
-    """torch elastic's per-process error file: the launcher's failure report shows its message
-    (and `python -m bert_pretrain.tools.launch` prints it when the main process could not)."""
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file and line:
-        import json
-        import time
-
-        try:
-            with open(error_file, "w", encoding="utf-8") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
-        except OSError:
-            pass
-
-
 def _fail(message: str) -> None:
-    """One line, exit 2.  Under a launcher (torchrun / accelerate launch) only the main process
-    prints it: every rank usually hits the same error, and N copies of the line scrolled away
-    under the launcher's report helped nobody.  Every rank also leaves it in its error file."""
-    line = f"bert-train: error: {message}"
-    if os.environ.get("RANK", "0") == "0":  # first: an error file from rank 0 then means the
-        print(line, file=sys.stderr, flush=True)  # line is on the screen
-    _leave_error_file(line)
-    leave_process_group(2)
-    sys.exit(2)
+    """One line, exit 2 (under a launcher: the main process prints it, every rank leaves it in
+    its error file)."""
+    end_launched(f"bert-train: error: {message}", 2)
 
 
 def _lost(message: str) -> None:
-    """One line, exit 1, for a process that lost the others mid-run.  Every surviving process
-    sees the same loss: one per machine prints it (local rank 0: on 64 GPUs, 8 lines rather than
-    63 tracebacks), every one leaves it in its error file.  Exit status 1 (not 2, a user error):
-    the launcher restarts the group when --max-restarts allows.  It leaves without the
-    interpreter's teardown under any launcher (srun or one's own too, not only torch elastic's):
-    gloo's threads, still waiting on the lost peer, abort it there ('terminate called without an
-    active exception', exit -6; seen with a peer that hung)."""
-    line = f"bert-train: error: {message}"
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-    _leave_error_file(line)
-    leave_process_group(1)
-    sys.exit(1)  # (not reached: a lost peer needs a group of more than one process)
+    """One line, exit 1, for a process that lost the others mid-run; one per machine prints it.
+    Exit status 1 (not 2, a user error): the launcher restarts the group when --max-restarts
+    allows.  It leaves without the interpreter's teardown under any launcher (srun or one's own
+    too, not only torch elastic's): gloo's threads, still waiting on the lost peer, abort it
+    there ('terminate called without an active exception', exit -6; seen with a peer that
+    hung)."""
+    end_launched(f"bert-train: error: {message}", 1, each_machine=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
@@ -153,7 +127,7 @@ def _main() -> None:
         if main_process:
             sys.stderr.write(captured.getvalue())
             sys.stderr.flush()
-        _leave_error_file(captured.getvalue().strip())
+        leave_error_file(captured.getvalue().strip())
         raise
     if main_process:
         sys.stderr.write(captured.getvalue())

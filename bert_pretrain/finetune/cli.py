@@ -21,7 +21,7 @@ prefer_passive_omp_wait()  # before anything below imports torch (libgomp reads 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from ..cli_errors import interrupted, leave_process_group, precheck, suggest_from  # noqa: E402
+from ..cli_errors import end_launched, interrupted, precheck, suggest_from  # noqa: E402
 from ..errors import UserError  # noqa: E402
 from .config import register  # noqa: E402
 
@@ -31,11 +31,28 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 
 def fail(prog: str, message: str) -> None:
-    """One line, exit 2; under a launcher only the main process prints it."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    leave_process_group(2)
-    sys.exit(2)
+    """One line, exit 2; under a launcher only the main process prints it, every process leaves
+    it in its error file (a process other than rank 0 stopping at its own data is named in the
+    launcher's report)."""
+    end_launched(f"{prog}: error: {message}", 2)
+
+
+def lost_line(exc: BaseException) -> str | None:
+    """The one line for a process of a launched group that lost the others (a peer died, hung,
+    or stopped at an error of its own), else None: the exception keeps its traceback."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from ..components.process_group import lost_peers
+
+    words = lost_peers(exc)
+    if words is None:
+        return None
+    # (no backend name: the process group is already destroyed by the fine-tune's `finally`)
+    return (f"[rank {os.environ.get('RANK', '0')}] lost the other processes ({words}): another "
+            f"process of this job stopped at an error of its own, died or hung, or the network "
+            f"failed (its output, or its error file in the launcher's report, says which). Run "
+            f"the same command again once that is fixed: finished fine-tunes are kept and the "
+            f"one under way continues from its last checkpoint")
 
 
 def finetune(s, config_yaml: str) -> dict:
@@ -77,11 +94,17 @@ def finetune(s, config_yaml: str) -> dict:
 
 
 def guarded(prog: str, work):
-    """work(), with a UserError as the command's one error line."""
+    """work(), with a UserError as the command's one error line (exit 2) and a lost peer as one
+    line per machine (exit 1: not the user's error) instead of gloo's or NCCL's traceback."""
     try:
         return work()
     except UserError as exc:
         fail(prog, str(exc))
+    except Exception as exc:
+        line = lost_line(exc)
+        if line is None:
+            raise
+        end_launched(f"{prog}: error: {line}", 1, each_machine=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="finetune")

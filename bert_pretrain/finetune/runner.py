@@ -371,6 +371,8 @@ class FineTune:
             self.step, self.elapsed = int(state["step"]), float(state["elapsed_seconds"])
             self.applied = int(state.get("applied_steps", self.step))
             self._window = [float(x) for x in state.get("log_window", [])]
+            self._note(f"lr {self.lr:g} seed {self.seed} continues from its checkpoint of step "
+                       f"{self.step} ({resume})")
         if session.main:
             from ..components.metrics import truncate_jsonl
 
