@@ -467,3 +467,47 @@ def test_a_lost_process_ends_the_others_in_one_line_and_the_rerun_continues(run,
         return [json.loads(f.read_text())["metrics"] for f in found]
 
     assert scores(tmp_path / "out") == scores(tmp_path / "whole")
+
+
+def test_a_process_alone_stops_in_one_line_after_the_timeout(run, tasks, tmp_path):
+    """Process 0 of 2 started by hand with no process 1: one line after
+    trainer.process_group_timeout_s (bert-train's join), not accelerate's traceback after
+    torch's 30 minutes; nothing written."""
+    from test_distributed import free_port
+
+    port = free_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "bert_pretrain.finetune", *tasks["sentence"], f"model={run}",
+         *FAST, "trainer.cpu=true", "trainer.process_group_timeout_s=2",
+         f"out_dir={tmp_path / 'out'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=hang_limit(),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": CHILD_PYTHONPATH,
+             "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)})
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stdout + r.stderr
+    assert lines[0].startswith(f"bert-finetune: error: process 0 of 2 could not join the others "
+                               f"at 127.0.0.1:{port} within trainer.process_group_timeout_s=2 (")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hung_process_ends_the_others_in_one_line_after_the_timeout(run, tasks, tmp_path):
+    """Rank 1 stops (SIGSTOP) in step 4: rank 0 waits trainer.process_group_timeout_s at the
+    step's all-reduce, then ends in the lost-peer line, exit 1."""
+    from test_distributed import free_port
+    from train_support import await_one_of
+
+    port = free_port()
+    procs, out, err = await_one_of([(
+        [sys.executable, "-c", RANK_1_DIES.replace("SIGKILL", "SIGSTOP"), "bert-finetune",
+         *tasks["sentence"], f"model={run}", *FAST, "trainer.cpu=true",
+         "trainer.process_group_timeout_s=3", f"out_dir={tmp_path / 'out'}"],
+        {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+         "PYTHONPATH": CHILD_PYTHONPATH, "WORLD_SIZE": "2", "RANK": str(rank),
+         "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        for rank in (0, 1)], awaited=0)
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("bert-finetune: error: [rank 0] lost the other processes (") and \
+        "Timed out" in line, line

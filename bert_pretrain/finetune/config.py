@@ -130,6 +130,9 @@ class FinetuneTrainerConfig:
     """As bert-train's: read each step's loss, gradient norm and skip decision at the next
     log, checkpoint or end, not every step, where the fine-tune allows it (one process, torch's
     fused AdamW, no fp16 loss scaler); the same numbers and weights either way."""
+    process_group_timeout_s: float = 1800.0
+    """Launched as several processes: how long one waits for the others to start, and at a
+    collective for one that hung, before it stops in one line (as bert-train's)."""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
@@ -142,6 +145,9 @@ class FinetuneTrainerConfig:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         if self.keep_last_k < 1:
             raise ValueError(f"trainer.keep_last_k must be >= 1, got {self.keep_last_k}")
+        if not self.process_group_timeout_s > 0:
+            raise ValueError(f"trainer.process_group_timeout_s must be > 0, got "
+                             f"{self.process_group_timeout_s}")
         if self.save_model not in SAVE_MODEL:
             raise ValueError(f"trainer.save_model must be one of {', '.join(SAVE_MODEL)}, got "
                              f"{self.save_model!r}")

@@ -108,6 +108,12 @@ class Session:
         on_cpu = trainer_cfg.cpu or not torch.cuda.is_available()
         if on_cpu:
             keep_freed_memory()
+        # The group is joined first, as bert-train's (process_group.join): a peer that never
+        # starts is one line after trainer.process_group_timeout_s, not a traceback after
+        # torch's 30 minutes, and a hung one is found after that timeout at a collective.
+        from ..components.process_group import join
+
+        join("gloo" if on_cpu else "nccl", trainer_cfg.process_group_timeout_s)
         # Precision is ours (precision.py), as in pretraining: accelerate has no loss scaling
         # on CPU.
         acc = Accelerator(cpu=on_cpu, mixed_precision="no")
