@@ -125,12 +125,14 @@ def _failure(tmp_path, rank, exitcode, message=None):
                           error_file=error_file)
 
 
-def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsys):
+@pytest.mark.parametrize("prog", ["bert-train", "bert-finetune", "bert-glue"])
+def test_launch_report_when_only_another_rank_hit_the_user_error(tmp_path, capsys, prog):
+    """(bert-launch -m bert_pretrain.finetune runs a fine-tune's processes the same way.)"""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from bert_pretrain.tools.launch import _report
 
-    line = "bert-train: error: cannot read data shard on this node"
+    line = f"{prog}: error: cannot read data shard on this node"
     exc = ChildFailedError("bert_pretrain.train", {1: _failure(tmp_path, 1, 2, line),
                                                    0: _failure(tmp_path, 0, -15)})
     assert _report(exc) == 2

@@ -19,6 +19,7 @@ times out.
 """
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def _report(exc) -> int:
         main_printed = main is not None and (main.exitcode == 2 or main.error_file_data.get(
             "message") not in (None, "", "<NONE>"))
         lines = [_message(f) for _, f in sorted(exc.failures.items())
-                 if _message(f).startswith("bert-train: error:")]
+                 if re.match(r"bert-(train|finetune|glue): error:", _message(f))]
         if lines and not main_printed:
             print(lines[0], file=sys.stderr, flush=True)
         return 2
@@ -147,7 +148,8 @@ Options used most (command-line flags win over the config file):
                          restart all processes when one dies (up to N times); with
                          resume=auto they continue from the last checkpoint
 Every other option is accelerate launch's: `accelerate launch --help` lists them all.
-bert-train's own settings come after -m bert_pretrain.train (`bert-train --help`)."""
+bert-train's own settings come after -m bert_pretrain.train (`bert-train --help`); fine-tunes
+run the same way: -m bert_pretrain.finetune (bert-finetune), -m bert_pretrain.finetune.glue."""
 
 
 def _parser():
