@@ -74,9 +74,10 @@ def end_launched(line: str, status: int, each_machine: bool = False) -> None:
     8 lines rather than 63 tracebacks).  Every process leaves it in its error file, and leaves
     the group without the interpreter's teardown (leave_process_group)."""
     printer = "LOCAL_RANK" if each_machine else "RANK"
-    if os.environ.get(printer, "0") == "0":  # first: an error file from the printer then means
-        print(line, file=sys.stderr, flush=True)  # the line is on the screen
-    leave_error_file(line)
+    # (no MASTER_ADDR: no launcher started this one, which is alone whatever RANK says)
+    if os.environ.get(printer, "0") == "0" or "MASTER_ADDR" not in os.environ:
+        print(line, file=sys.stderr, flush=True)  # (first: an error file from the printer
+    leave_error_file(line)                        # then means the line is on the screen)
     leave_process_group(status)
     sys.exit(status)
 

@@ -216,3 +216,50 @@ def test_the_settings_compared_hold_the_data_torch_and_our_code(tmp_path):
     trainer = package / "trainer.py"
     trainer.write_text(trainer.read_text() + "\n# a line more\n")
     assert code_digest(str(package)) != code_digest()
+
+
+@pytest.mark.parametrize("env, refused", [
+    ({}, False),
+    ({"RANK": "0"}, False),                       # (accelerate ignores RANK alone)
+    ({"WORLD_SIZE": "1", "RANK": "0"}, False),
+    ({"LOCAL_RANK": "0"}, True),                  # a launched job's shell, copied
+    ({"RANK": "1", "WORLD_SIZE": "2"}, True),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, True),        # mpirun
+    ({"LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1"}, False),
+])
+def test_a_launchers_variables_without_its_address_are_refused(monkeypatch, env, refused):
+    from bert_pretrain.components.process_group import _GROUP_VARIABLES, check_launch_environment
+    from bert_pretrain.errors import ConfigError
+
+    for name in (*_GROUP_VARIABLES, "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if not refused:
+        check_launch_environment()
+        return
+    with pytest.raises(ConfigError) as exc_info:
+        check_launch_environment()
+    names = [n for n in _GROUP_VARIABLES if n in env]
+    assert str(exc_info.value).startswith(
+        f"the environment sets {', '.join(f'{n}={env[n]}' for n in names)} (a launcher's "
+        f"variables) but not MASTER_ADDR") and f"unset {' '.join(names)}" in str(exc_info.value)
+
+
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "0"}, {"RANK": "1", "WORLD_SIZE": "2"}])
+def test_bert_train_with_a_launchers_variables_but_no_launcher_stops_in_one_line(tmp_path, env):
+    """Before: accelerate took the process for one of a group and ended in torch's traceback
+    ('environment variable MASTER_ADDR expected, but not set'); a RANK other than 0 printed
+    nothing at all, since only the main process of a launch prints a user error."""
+    data = write_prepared(str(tmp_path / "data"), num_train=16, num_valid=8)
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.train", "experiment=smoke",
+                        f"data.dir={data}", f"run_dir={tmp_path / 'run'}", "trainer.max_steps=3"],
+                       cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1", **env},
+                       capture_output=True, text=True, timeout=hang_limit())
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("bert-train: error: the environment sets ") and \
+        lines[0].endswith("to run one process"), lines[0]
+    assert not (tmp_path / "run").exists()

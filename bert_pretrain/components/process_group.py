@@ -36,12 +36,45 @@ def _launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+# What makes accelerate set up a process group (accelerate/state.py): LOCAL_RANK, or a world
+# size over 1 from torchrun's or an MPI launcher's variables.
+_GROUP_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                    "MV2_COMM_WORLD_SIZE")
+
+
+def check_launch_environment() -> None:
+    """A ConfigError in one line when the environment holds a launcher's variables without the
+    address to meet at (MASTER_ADDR): accelerate would take this process for one of a group and
+    end in torch's traceback ('environment variable MASTER_ADDR expected, but not set').  Seen
+    with LOCAL_RANK left in a shell copied from a launched job."""
+    import torch.distributed as dist
+
+    if "MASTER_ADDR" in os.environ or (dist.is_available() and dist.is_initialized()):
+        return
+
+    def above_one(name):
+        try:
+            return int(os.environ.get(name, "1")) > 1
+        except ValueError:
+            return True
+
+    if "LOCAL_RANK" not in os.environ and not any(above_one(n) for n in _GROUP_VARIABLES[2:]):
+        return
+    found = [n for n in _GROUP_VARIABLES if n in os.environ]
+    raise ConfigError(
+        f"the environment sets {', '.join(f'{n}={os.environ[n]}' for n in found)} (a launcher's "
+        f"variables) but not MASTER_ADDR, so this process cannot meet the others of its job; "
+        f"start the command with a launcher (bert-launch, torchrun or accelerate launch), which "
+        f"sets them all, or unset {' '.join(found)} to run one process")
+
+
 def join(backend: str, timeout_s: float) -> None:
     """Join this launched process (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment) to its
     group with `backend`; nothing for a lone process or a group already joined.  Raises
     ConfigError in one line when the others do not come within `timeout_s`."""
     import torch.distributed as dist
 
+    check_launch_environment()
     if _launched_world() <= 1 or "MASTER_ADDR" not in os.environ or not dist.is_available() \
             or dist.is_initialized():
         return
