@@ -31,8 +31,32 @@ COMMON = ["experiment=smoke", "trainer.max_steps=6", "trainer.global_batch_size=
           "trainer.keep_last_k=5", "trainer.progress_bar=false"]
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # (Linux's default)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a launcher or process group, below the kernel's ephemeral range.  A port
+    from bind(0) is one the kernel may also give any outgoing connection (a gloo mesh's, a store
+    client's) in the seconds before the launcher binds it: under xdist a launcher once found its
+    rendezvous port taken ('The connection to the C10d store has failed').  Below the range only
+    another explicit bind can take it, and each test draws its own at random."""
+    import random
+
+    low, draw = _ephemeral_low(), random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a range that crowded: the kernel's choice)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -277,11 +277,9 @@ def _launch(args: list, processes: int) -> None:
     if processes == 1:
         cmd = [sys.executable, "-m", "bert_pretrain.finetune", *args]
     else:
-        import socket
+        from test_distributed import free_port
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                ACCELERATE_CONFIG, "--num_processes", str(processes), "--main_process_port",
                str(port), "-m", "bert_pretrain.finetune", *args]
