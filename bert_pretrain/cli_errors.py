@@ -66,6 +66,13 @@ def leave_error_file(line: str) -> None:
             pass
 
 
+def prints_here(printer: str = "RANK") -> bool:
+    """Whether this process prints a line meant once per job (`printer` RANK) or once per
+    machine (LOCAL_RANK): the one whose `printer` is 0, or any a launcher did not start (no
+    MASTER_ADDR: it is alone whatever RANK says, and a RANK=1 left in its shell silenced it)."""
+    return os.environ.get(printer, "0") == "0" or "MASTER_ADDR" not in os.environ
+
+
 def end_launched(line: str, status: int, each_machine: bool = False) -> None:
     """End a command that may be one process of a launched group with its one error `line` and
     exit `status`.  One process prints it: the main one (every process usually hits the same
@@ -73,9 +80,7 @@ def end_launched(line: str, status: int, each_machine: bool = False) -> None:
     `each_machine` each machine's first (a lost peer: what a machine saw is its own; on 64 GPUs,
     8 lines rather than 63 tracebacks).  Every process leaves it in its error file, and leaves
     the group without the interpreter's teardown (leave_process_group)."""
-    printer = "LOCAL_RANK" if each_machine else "RANK"
-    # (no MASTER_ADDR: no launcher started this one, which is alone whatever RANK says)
-    if os.environ.get(printer, "0") == "0" or "MASTER_ADDR" not in os.environ:
+    if prints_here("LOCAL_RANK" if each_machine else "RANK"):
         print(line, file=sys.stderr, flush=True)  # (first: an error file from the printer
     leave_error_file(line)                        # then means the line is on the screen)
     leave_process_group(status)
@@ -88,7 +93,7 @@ def interrupted(prog: str, advice: str) -> None:
     on, exit 130 (128 + SIGINT, what a shell reports for a Ctrl-C'd command), not Python's
     traceback of wherever the interrupt landed. Under a launcher only the main process says it.
     (A progress bar may have been cut mid-line: on a terminal the line starts a new one.)"""
-    if os.environ.get("RANK", "0") == "0":
+    if prints_here():
         lead = "\n" if sys.stderr.isatty() else ""
         print(f"{lead}{prog}: interrupted; {advice}", file=sys.stderr, flush=True)
     sys.exit(130)

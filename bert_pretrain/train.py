@@ -28,7 +28,7 @@ from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from .cli_errors import (end_launched, leave_error_file, leave_process_group,  # noqa: E402
-                         precheck, suggest_from)
+                         precheck, prints_here, suggest_from)
 from .config import TrainConfig, register, settings  # noqa: E402
 from .components.process_group import PeersLost  # noqa: E402
 from .errors import UserError  # noqa: E402
@@ -115,7 +115,7 @@ def _main() -> None:
     # hparams_search configs set hydra.mode=MULTIRUN: their sweep syntax is not an error
     # Under a launcher every rank checks the same command line: only the main one says so,
     # the others leave the line in their error file.
-    main_process = os.environ.get("RANK", "0") == "0"
+    main_process = prints_here()
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):

@@ -209,3 +209,22 @@ def test_shutdown_noise_drops_only_the_agents_records_after_a_user_error():
     assert keep(record(failed, 1, 0, 1234, "bert-train"))
     assert keep(record(failed, -9, 1, 1234, "bert-train"))
     assert keep(record("Starting elastic_operator with launch configs:"))
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_typo_is_printed_by_rank_0_of_a_launch_or_by_a_process_alone(tmp_path, launched):
+    """Under a launcher only rank 0 prints the typo's line (every rank finds it); a process no
+    launcher started (no MASTER_ADDR) prints it whatever RANK its shell left it, which before
+    made a RANK=1 shell's mistake exit 2 without a word."""
+    import subprocess
+
+    env = _env(tmp_path, RANK="1")
+    env.pop("MASTER_ADDR", None)
+    if launched:
+        env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    r = subprocess.run([sys.executable, "-m", "bert_pretrain.train", "trainer.max_step=3"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=hang_limit())
+    assert r.returncode == 2, r.stderr
+    said = "bert-train: error: Could not override 'trainer.max_step'"
+    assert (said in r.stderr) is (not launched), r.stderr
+    assert len(r.stderr.strip().splitlines()) == (0 if launched else 1), r.stderr

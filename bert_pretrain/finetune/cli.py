@@ -22,7 +22,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from ..cli_errors import (end_launched, interrupted, leave_process_group, precheck,  # noqa: E402
-                          suggest_from)
+                          prints_here, suggest_from)
 from ..errors import UserError  # noqa: E402
 from .config import register  # noqa: E402
 
@@ -133,7 +133,7 @@ def check_command_line(prog: str, config_name: str, schema) -> None:
             precheck(prog, CONF_DIR, config_name, sys.argv[1:], suggest=suggest_from(schema),
                      schemas={"impl": _model_impl})
     finally:
-        if os.environ.get("RANK", "0") == "0":
+        if prints_here():
             sys.stderr.write(captured.getvalue())
             sys.stderr.flush()
 
